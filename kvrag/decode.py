@@ -1,0 +1,122 @@
+"""Greedy or sampled decoding from a prefilled cache, streaming text pieces, with stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from kvrag.model import LoadedModel
+
+
+@dataclass
+class DecodeConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    stop: Sequence[str] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+def eos_ids(lm: LoadedModel) -> set[int]:
+    """End-of-turn ids: the tokenizer's eos plus the generation config's (chat models often differ)."""
+    ids: set[int] = set()
+    for src in (getattr(lm.model, "generation_config", None), lm.tokenizer):
+        val = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(val, int):
+            ids.add(val)
+        elif isinstance(val, (list, tuple)):
+            ids.update(int(v) for v in val)
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"):
+        tid = lm.tokenizer.convert_tokens_to_ids(tok) if hasattr(lm.tokenizer, "convert_tokens_to_ids") else None
+        unk = getattr(lm.tokenizer, "unk_token_id", None)
+        if isinstance(tid, int) and tid != unk and tid >= 0:
+            ids.add(tid)
+    return ids
+
+
+def pick_token(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None) -> int:
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < cfg.top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@dataclass
+class DecodeState:
+    """Filled in while decoding so callers can read counts after the stream ends."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+@torch.no_grad()
+def stream_tokens(
+    lm: LoadedModel,
+    cache: Any,
+    first_logits: torch.Tensor,
+    next_position: int,
+    cfg: DecodeConfig,
+    state: DecodeState,
+    max_position: int | None = None,
+) -> Iterator[str]:
+    """Yield text pieces as tokens are generated; stops at eos, a stop string or max_new_tokens."""
+    tok = lm.tokenizer
+    stops = [s for s in cfg.stop if s]
+    hold = max((len(s) for s in stops), default=1) - 1
+    eos = eos_ids(lm)
+    gen = None
+    if cfg.seed is not None:
+        gen = torch.Generator(device=first_logits.device).manual_seed(cfg.seed)
+    logits = first_logits
+    emitted = 0
+    text = ""
+    pos = next_position
+    for step in range(cfg.max_new_tokens):
+        token = pick_token(logits, cfg, gen)
+        if token in eos:
+            state.finish_reason = "eos"
+            break
+        state.token_ids.append(token)
+        text = tok.decode(state.token_ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            if cut > emitted:
+                yield text[emitted:cut]
+            state.finish_reason = "stop"
+            return
+        safe = len(text) - hold
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            safe = min(safe, len(text) - 1)
+        if safe > emitted:
+            yield text[emitted:safe]
+            emitted = safe
+        if step + 1 == cfg.max_new_tokens or (max_position is not None and pos >= max_position):
+            state.finish_reason = "length"
+            break
+        out = lm.model(
+            input_ids=torch.tensor([[token]], device=lm.device),
+            position_ids=torch.tensor([[pos]], device=lm.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = out.logits[0, -1]
+        pos += 1
+    else:
+        state.finish_reason = state.finish_reason or "length"
+    if len(text) > emitted:
+        yield text[emitted:]

@@ -1,0 +1,342 @@
+"""KVRag: store -> stitch -> method -> decode, and the stats of every answer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from kvrag.cache_backends import KVEntry, KVStore, content_key, open_store
+from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
+from kvrag.errors import ChunkNotFoundError, ContextTooLongError, EmptyRetrievalError
+from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
+from kvrag.layout import PromptLayout, Segments
+from kvrag.methods import Method, SelectContext, get_method, token_budget
+from kvrag.model import LoadedModel, kvrag_home, load_model
+from kvrag.precompute import KVComputer, LayerStack
+from kvrag.rope import Rotary
+from kvrag.types import Answer, AnswerStats, Chunk
+
+log = logging.getLogger(__name__)
+
+KIND_CHUNK = "chunk"
+KIND_PREFIX = "prefix"
+
+
+@dataclass
+class PrecomputeReport:
+    chunks: int = 0
+    computed: int = 0
+    already_cached: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Prefill:
+    """A prefilled prompt, ready to decode; tests and the benchmark read its logits and selection."""
+
+    output: PrefillOutput
+    segments: Segments
+    selected: torch.Tensor
+    stats: AnswerStats
+    started: float = 0.0
+    stitched: Stitched | None = None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.output.logits
+
+
+class AnswerStream:
+    """An iterator of text pieces; `.stats` and `.text` are complete once it is exhausted."""
+
+    def __init__(self, pieces: Iterator[str], stats: AnswerStats, chunk_ids: list[str]) -> None:
+        self._pieces = pieces
+        self.stats = stats
+        self.chunk_ids = chunk_ids
+        self.text = ""
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            self.text += piece
+            yield piece
+
+    def answer(self) -> Answer:
+        for _ in self:
+            pass
+        return Answer(text=self.text.strip(), stats=self.stats, chunk_ids=self.chunk_ids)
+
+
+@dataclass
+class _Resolved:
+    chunks: list[Chunk]
+    token_ids: list[list[int]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+
+class KVRag:
+    """RAG over a local causal LM that reuses each chunk's precomputed KV cache."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        store: KVStore | str | None = None,
+        layout: PromptLayout | None = None,
+        batch_size: int = 8,
+        **layout_kwargs: Any,
+    ) -> None:
+        self.lm = lm
+        self.store: KVStore = store if store is not None and not isinstance(store, str) else open_store(store, default_root=kvrag_home() / "kv")
+        self.layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
+        self.rotary = Rotary(lm.model)
+        self.computer = KVComputer(lm, self.rotary)
+        self.batch_size = batch_size
+        self._chunks: dict[str, Chunk] = {}
+        self._prefix: LayerStack | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        store: KVStore | str | None = None,
+        device: str = "cpu",
+        dtype: str = "auto",
+        **kwargs: Any,
+    ) -> "KVRag":
+        """Load a model (default: the bundled SmolLM2-135M-Instruct) and open a store (default: disk under $KVRAG_HOME)."""
+        return cls(load_model(model, device=device, dtype=dtype), store=store, **kwargs)
+
+    # -- keys and the prefix ------------------------------------------------------------------
+    def _key(self, kind: str, token_ids: Sequence[int]) -> str:
+        return content_key(self.lm.fingerprint, self.layout.identity, kind, token_ids)
+
+    def _entry_meta(self, kind: str, n: int) -> dict[str, str]:
+        return {"model": self.lm.fingerprint, "layout": self.layout.identity, "kind": kind, "tokens": str(n)}
+
+    def _valid(self, entry: KVEntry | None, kind: str, n: int) -> bool:
+        """Defence in depth: even under a matching key, an entry from another model/layout is a miss."""
+        if entry is None:
+            return False
+        m = entry.meta
+        cfg = self.lm.model.config
+        ok = (
+            m.get("model") == self.lm.fingerprint
+            and m.get("layout") == self.layout.identity
+            and m.get("kind") == kind
+            and entry.num_tokens == n
+            and entry.keys.shape[0] == cfg.num_hidden_layers
+        )
+        if not ok:
+            log.warning("ignoring a cache entry that does not match this model/layout")
+        return ok
+
+    def prefix_kv(self) -> LayerStack:
+        """The system prefix's KV, computed once per (model, system prompt) and kept in the store."""
+        if self._prefix is None:
+            ids = self.layout.prefix_ids
+            key = self._key(KIND_PREFIX, ids)
+            entry = self._safe_get(key)
+            if self._valid(entry, KIND_PREFIX, len(ids)):
+                self._prefix = (entry.keys.to(self.lm.device), entry.values.to(self.lm.device))
+            else:
+                self._prefix = self.computer.prefix_kv(ids)
+                self._safe_put(key, KVEntry(*self._prefix, meta=self._entry_meta(KIND_PREFIX, len(ids))))
+        return self._prefix
+
+    def _safe_get(self, key: str) -> KVEntry | None:
+        try:
+            return self.store.get(key)
+        except Exception as exc:  # a store fault is a miss: the chunk is computed instead
+            log.warning("store get failed (%s); computing instead", exc)
+            return None
+
+    def _safe_put(self, key: str, entry: KVEntry) -> None:
+        try:
+            self.store.put(key, entry)
+        except Exception as exc:
+            log.warning("store put failed (%s); the entry is not kept", exc)
+
+    # -- precompute ---------------------------------------------------------------------------
+    def register(self, chunks: Iterable[Chunk]) -> list[Chunk]:
+        """Remember chunk texts by id so `answer(chunk_ids=...)` can find them."""
+        out = list(chunks)
+        for c in out:
+            self._chunks[c.id] = c
+        return out
+
+    def precompute(self, chunks: Iterable[Chunk], batch_size: int | None = None, progress: bool = True) -> PrecomputeReport:
+        """Compute and store the KV of every chunk not cached yet (batched, with a progress bar)."""
+        t0 = time.perf_counter()
+        resolved = self._resolve(self.register(chunks))
+        report = PrecomputeReport(chunks=len(resolved.chunks))
+        missing = [i for i, k in enumerate(resolved.keys) if not self._contains(k)]
+        report.already_cached = len(resolved.chunks) - len(missing)
+        if missing:
+            self._compute_and_store(resolved, missing, batch_size, progress)
+            report.computed = len(missing)
+            report.tokens = sum(len(resolved.token_ids[i]) for i in missing)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _contains(self, key: str) -> bool:
+        try:
+            return self.store.contains(key)
+        except Exception as exc:
+            log.warning("store contains failed (%s)", exc)
+            return False
+
+    def _compute_and_store(self, resolved: _Resolved, idx: list[int], batch_size: int | None, progress: bool) -> list[LayerStack]:
+        stacks = self.computer.chunk_kv(
+            self.prefix_kv(), [resolved.token_ids[i] for i in idx], batch_size=batch_size or self.batch_size, progress=progress
+        )
+        for i, (k, v) in zip(idx, stacks):
+            self._safe_put(resolved.keys[i], KVEntry(k, v, meta=self._entry_meta(KIND_CHUNK, len(resolved.token_ids[i]))))
+        return stacks
+
+    def _resolve(self, chunks: Sequence[Chunk]) -> _Resolved:
+        res = _Resolved(chunks=list(chunks))
+        for c in res.chunks:
+            ids = self.layout.chunk_ids(c)
+            res.token_ids.append(ids)
+            res.keys.append(self._key(KIND_CHUNK, ids))
+        return res
+
+    def _lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None) -> list[Chunk]:
+        if chunks:
+            return self.register(chunks)
+        if not chunk_ids:
+            raise EmptyRetrievalError("no chunks to answer from: pass chunk_ids=[...] or chunks=[...] (retrieval returned nothing?)")
+        missing = [i for i in chunk_ids if i not in self._chunks]
+        if missing:
+            raise ChunkNotFoundError(
+                f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text"
+            )
+        return [self._chunks[i] for i in chunk_ids]
+
+    # -- answering ----------------------------------------------------------------------------
+    def prefill(
+        self,
+        question: str,
+        chunk_ids: Sequence[str] | None = None,
+        *,
+        chunks: Sequence[Chunk] | None = None,
+        method: str | Method = "reuse",
+        recompute_ratio: float = 0.15,
+        **method_params: Any,
+    ) -> Prefill:
+        """Everything up to the first token's logits: load, stitch, select, recompute."""
+        t0 = time.perf_counter()
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        meth = get_method(method, **method_params)
+        stats = AnswerStats(method=meth.name)
+        resolved = self._resolve(self._lookup(chunk_ids, chunks))
+        segments = self.layout.segments(resolved.token_ids, question)
+        self._check_length(segments)
+        stats.prompt_tokens = segments.total_len
+        stats.context_tokens = segments.context_len - len(segments.prefix)
+        stats.question_tokens = len(segments.question)
+        prefix = self.prefix_kv()
+
+        if meth.full_attention:
+            out = full_prefill(self.lm, prefix, segments)
+            stats.recomputed_tokens = stats.context_tokens
+            stats.chunk_prefill_tokens = stats.context_tokens
+            stats.prefill_s = time.perf_counter() - t0
+            stats.ttft_s = stats.prefill_s
+            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, t0)
+
+        stacks = self._load_chunks(resolved, stats)
+        t1 = time.perf_counter()
+        stitched = stitch(prefix, stacks, segments, self.rotary)
+        t2 = time.perf_counter()
+        selected = meth.select(SelectContext(self.lm, self.rotary, stitched), token_budget(recompute_ratio, stats.context_tokens))
+        t3 = time.perf_counter()
+        out = recompute(self.lm, stitched, selected)
+        t4 = time.perf_counter()
+        stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
+        stats.recomputed_tokens = int(selected.numel())
+        stats.ttft_s = t4 - t0
+        return Prefill(out, segments, selected, stats, t0, stitched)
+
+    def _load_chunks(self, resolved: _Resolved, stats: AnswerStats) -> list[LayerStack]:
+        t = time.perf_counter()
+        entries: list[KVEntry | None]
+        try:
+            entries = self.store.get_many(resolved.keys)
+        except Exception as exc:
+            log.warning("store get_many failed (%s); computing the chunks instead", exc)
+            entries = [None] * len(resolved.keys)
+        stacks: list[LayerStack | None] = []
+        misses = []
+        for i, e in enumerate(entries):
+            if self._valid(e, KIND_CHUNK, len(resolved.token_ids[i])):
+                stats.cache_hits += 1
+                stats.bytes_loaded += e.nbytes
+                stacks.append((e.keys.to(self.lm.device), e.values.to(self.lm.device)))
+            else:
+                stacks.append(None)
+                misses.append(i)
+        stats.load_s = time.perf_counter() - t
+        if misses:
+            stats.cache_misses = len(misses)
+            computed = self._compute_and_store(resolved, misses, None, progress=False)
+            for i, s in zip(misses, computed):
+                stacks[i] = s
+            stats.chunk_prefill_tokens = sum(len(resolved.token_ids[i]) for i in misses)
+        return stacks  # type: ignore[return-value]
+
+    def _check_length(self, segments: Segments, reserve: int = 0) -> None:
+        limit = self.lm.max_context
+        if segments.total_len + reserve > limit:
+            raise ContextTooLongError(
+                f"prompt is {segments.total_len} tokens (+{reserve} to generate) but the model's context is {limit}: "
+                "retrieve fewer or shorter chunks"
+            )
+
+    def stream(
+        self,
+        question: str,
+        chunk_ids: Sequence[str] | None = None,
+        *,
+        chunks: Sequence[Chunk] | None = None,
+        method: str | Method = "reuse",
+        recompute_ratio: float = 0.15,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | str | None = None,
+        seed: int | None = None,
+        **method_params: Any,
+    ) -> AnswerStream:
+        """Like `answer`, but returns an iterator of text pieces (stats complete at the end)."""
+        cfg = DecodeConfig(max_new_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop or ()), seed)
+        pre = self.prefill(question, chunk_ids, chunks=chunks, method=method, recompute_ratio=recompute_ratio, **method_params)
+        ids = [c for c in (chunk_ids or [c.id for c in (chunks or [])])]
+        return AnswerStream(self._decode(pre, cfg), pre.stats, list(ids))
+
+    def _decode(self, pre: Prefill, cfg: DecodeConfig) -> Iterator[str]:
+        state = DecodeState()
+        t = time.perf_counter()
+        yield from stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context)
+        pre.stats.decode_s = time.perf_counter() - t
+        pre.stats.generated_tokens = len(state.token_ids)
+
+    def answer(self, question: str, chunk_ids: Sequence[str] | None = None, **kwargs: Any) -> Answer:
+        """Answer `question` from the given chunks; `.stats` tells what it cost and which path it took."""
+        return self.stream(question, chunk_ids, **kwargs).answer()
+
+    def chunk(self, chunk_id: str) -> Chunk:
+        try:
+            return self._chunks[chunk_id]
+        except KeyError:
+            raise ChunkNotFoundError(f"unknown chunk id {chunk_id!r}") from None
+
+    @property
+    def home(self) -> Path:
+        return kvrag_home()

@@ -1,0 +1,28 @@
+"""The exception types a user can catch; each says what went wrong and what to do."""
+
+
+class KVRagError(Exception):
+    """Base of every kvrag error."""
+
+
+class EmptyRetrievalError(KVRagError, ValueError):
+    """An answer was asked for with no chunks to read."""
+
+
+class ChunkNotFoundError(KVRagError, KeyError):
+    """A chunk id was neither precomputed nor given with its text."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "chunk not found"
+
+
+class ContextTooLongError(KVRagError, ValueError):
+    """The prompt would not fit in the model's context window."""
+
+
+class UnsupportedModelError(KVRagError, ValueError):
+    """The model lacks what cache reuse needs (rotary position embeddings, a decoder-only LM, ...)."""
+
+
+class ModelLoadError(KVRagError, RuntimeError):
+    """The model could not be found or loaded."""

@@ -1,0 +1,138 @@
+"""Prompt layout: system prefix | chunk 1 | ... | chunk n | question suffix.
+
+Each segment is tokenised on its own, so a chunk's token ids (and so its cache key) never depend
+on its neighbours or its rank. The split points come from the model's own chat template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvrag.types import Chunk
+
+# Bump when the way segments are built or tokenised changes: old cache entries become misses.
+LAYOUT_VERSION = "1"
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the documents below. "
+    "Answer with a short phrase."
+)
+DEFAULT_CHUNK_TEMPLATE = "Document: {title}\n{text}\n\n"
+DEFAULT_UNTITLED_CHUNK_TEMPLATE = "Document: {text}\n\n"
+DEFAULT_QUESTION_TEMPLATE = "Question: {question}"
+
+_CTX = "\x00KVRAG_CONTEXT\x00"
+_Q = "\x00KVRAG_QUESTION\x00"
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Token ids of one prompt, segment by segment, with each segment's start position."""
+
+    prefix: list[int]
+    chunks: list[list[int]]
+    question: list[int]
+
+    @property
+    def chunk_starts(self) -> list[int]:
+        starts, pos = [], len(self.prefix)
+        for c in self.chunks:
+            starts.append(pos)
+            pos += len(c)
+        return starts
+
+    @property
+    def context_len(self) -> int:
+        """Tokens before the question: prefix + chunks."""
+        return len(self.prefix) + sum(len(c) for c in self.chunks)
+
+    @property
+    def total_len(self) -> int:
+        return self.context_len + len(self.question)
+
+    def all_ids(self) -> list[int]:
+        ids = list(self.prefix)
+        for c in self.chunks:
+            ids.extend(c)
+        ids.extend(self.question)
+        return ids
+
+
+class PromptLayout:
+    """Builds the segments of a RAG prompt from a tokenizer's chat template."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        chunk_template: str = DEFAULT_CHUNK_TEMPLATE,
+        untitled_chunk_template: str = DEFAULT_UNTITLED_CHUNK_TEMPLATE,
+        question_template: str = DEFAULT_QUESTION_TEMPLATE,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.chunk_template = chunk_template
+        self.untitled_chunk_template = untitled_chunk_template
+        self.question_template = question_template
+        self.prefix_text, self.suffix_text = self._split_template()
+        self.prefix_ids = self._prefix_ids(self.prefix_text)
+        self.suffix_ids = self._encode(self.suffix_text)
+
+    # -- template -------------------------------------------------------------------------
+    def _split_template(self) -> tuple[str, str]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            messages = [
+                {"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": _CTX + _Q},
+            ]
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception:  # templates that reject a system role: fold it into the user turn
+                messages = [{"role": "user", "content": self.system_prompt + "\n\n" + _CTX + _Q}]
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if _CTX in text and _Q in text:
+                prefix, rest = text.split(_CTX, 1)
+                _, suffix = rest.split(_Q, 1)
+                return prefix, suffix
+        # No chat template: a plain instruction layout.
+        return f"{self.system_prompt}\n\n", "\nAnswer:"
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _prefix_ids(self, text: str) -> list[int]:
+        ids = self._encode(text)
+        tok = self.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        if bos and getattr(tok, "add_bos_token", False) and not text.startswith(bos):
+            ids = [tok.bos_token_id] + ids
+        return ids
+
+    # -- segments -------------------------------------------------------------------------
+    def chunk_text(self, chunk: Chunk) -> str:
+        template = self.chunk_template if chunk.title else self.untitled_chunk_template
+        return template.format(title=chunk.title, text=chunk.text)
+
+    def chunk_ids(self, chunk: Chunk) -> list[int]:
+        return self._encode(self.chunk_text(chunk))
+
+    def question_ids(self, question: str) -> list[int]:
+        return self._encode(self.question_template.format(question=question)) + self.suffix_ids
+
+    def segments(self, chunk_ids: Sequence[list[int]], question: str) -> Segments:
+        return Segments(prefix=list(self.prefix_ids), chunks=[list(c) for c in chunk_ids], question=self.question_ids(question))
+
+    def prompt_text(self, chunks: Sequence[Chunk], question: str) -> str:
+        """The prompt as one string (what a plain LLM call would see), for display and debugging."""
+        body = "".join(self.chunk_text(c) for c in chunks)
+        return self.prefix_text + body + self.question_template.format(question=question) + self.suffix_text
+
+    @property
+    def identity(self) -> str:
+        """Hash of everything that shapes cached KV besides the chunk itself: layout version and prefix ids."""
+        h = hashlib.sha256(f"layout-v{LAYOUT_VERSION}:".encode())
+        h.update(",".join(map(str, self.prefix_ids)).encode())
+        return h.hexdigest()[:32]

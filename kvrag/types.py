@@ -1,0 +1,67 @@
+"""Plain data types shared by the engine, the CLI and the integrations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One retrievable piece of text. `id` is the user's handle (node id, document id, ...)."""
+
+    id: str
+    text: str
+    title: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass
+class AnswerStats:
+    """What one answer cost and which path it took; every answer carries these."""
+
+    method: str = ""
+    ttft_s: float = 0.0
+    load_s: float = 0.0
+    stitch_s: float = 0.0
+    select_s: float = 0.0
+    recompute_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    context_tokens: int = 0
+    question_tokens: int = 0
+    recomputed_tokens: int = 0
+    chunk_prefill_tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    bytes_loaded: int = 0
+    generated_tokens: int = 0
+    kept_kv_ratio: float = 1.0
+    path: str = ""
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["decode_tokens_per_s"] = self.decode_tokens_per_s
+        return d
+
+    def summary(self) -> str:
+        return (
+            f"method={self.method} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} "
+            f"recomputed={self.recomputed_tokens} chunk_prefill={self.chunk_prefill_tokens} "
+            f"hits={self.cache_hits} misses={self.cache_misses} loaded={self.bytes_loaded / 1e6:.1f}MB "
+            f"kept={self.kept_kv_ratio:.2f} decode={self.decode_tokens_per_s:.1f}tok/s"
+        )
+
+
+@dataclass
+class Answer:
+    text: str
+    stats: AnswerStats
+    chunk_ids: list[str] = field(default_factory=list)

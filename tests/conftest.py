@@ -1,0 +1,26 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+
+
+@pytest.fixture(scope="session")
+def kvrag_home(tmp_path_factory):
+    """One $KVRAG_HOME per test session (the converted bundled model is kept there)."""
+    home = os.environ.get("KVRAG_TEST_HOME") or str(tmp_path_factory.mktemp("kvrag_home"))
+    os.environ["KVRAG_HOME"] = home
+    return Path(home)
+
+
+@pytest.fixture(scope="session")
+def smollm(kvrag_home):
+    """The real bundled SmolLM2-135M-Instruct, loaded once per session."""
+    from kvrag import load_model
+
+    return load_model()
