@@ -11,7 +11,7 @@ import pytest
 
 from kvrag.documents import chunk_id, load_documents, split_text
 
-NQ_DEV = Path("/work/shared/data/nq10_dev.jsonl")
+NQ_DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq10_dev.jsonl"
 
 
 def _words(texts: list[str]) -> list[str]:

@@ -1,0 +1,62 @@
+"""A few checks on the real bundled SmolLM2-135M-Instruct."""
+
+import json
+
+import pytest
+
+from kvrag import Chunk, KVRag
+from kvrag.cli import main
+
+pytestmark = pytest.mark.smollm
+
+EIFFEL = Chunk("eiffel", "The Eiffel Tower is a wrought-iron tower in Paris, the capital of France. It was completed in 1889.", "Eiffel Tower")
+DISTRACTORS = [
+    Chunk("bees", "Honeybees turn flower nectar into honey by evaporating its water inside the hive.", "Honeybees"),
+    Chunk("rail", "The old mountain railway climbs through three tunnels before reaching the summit station.", "Railway"),
+]
+
+
+@pytest.fixture(scope="module")
+def rag(smollm):
+    r = KVRag(smollm, store="memory://")
+    r.precompute([EIFFEL, *DISTRACTORS], progress=False)
+    return r
+
+
+@pytest.mark.parametrize("method", ["full", "reuse"])
+def test_single_document_question_is_answered(rag, method):
+    out = rag.answer("In which city is the Eiffel Tower?", ["eiffel"], method=method, max_new_tokens=24)
+    assert "Paris" in out.text
+    assert out.stats.method == method
+
+
+def test_single_chunk_reuse_matches_full_on_the_real_model(rag):
+    full = rag.prefill("When was the Eiffel Tower completed?", ["eiffel"], method="full")
+    reuse = rag.prefill("When was the Eiffel Tower completed?", ["eiffel"], method="reuse")
+    assert (full.logits - reuse.logits).abs().max().item() <= 1e-3  # 30 layers of fp32: a little more slack
+    assert int(full.logits.argmax()) == int(reuse.logits.argmax())
+
+
+@pytest.mark.parametrize("method", ["full", "reuse"])
+def test_answer_found_among_distractors(rag, method):
+    out = rag.answer("When was the Eiffel Tower completed?", ["bees", "eiffel", "rail"], method=method, max_new_tokens=24)
+    assert "1889" in out.text
+
+
+def test_cli_ingest_then_ask(tmp_path, kvrag_home, capsys):
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    (corpus / "eiffel.md").write_text("# Eiffel Tower\n\n" + EIFFEL.text + "\n")
+    (corpus / "bees.txt").write_text(DISTRACTORS[0].text + "\n")
+    store = f"disk://{tmp_path}/kv"
+    assert main(["ingest", "--store", store, "--collection", "cli_test", str(corpus)]) == 0
+    assert "ingested 2 chunks (2 computed" in capsys.readouterr().err
+    assert main(["ask", "--store", store, "--collection", "cli_test", "-k", "2", "--json", "In which city is the Eiffel Tower?"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "Paris" in result["answer"]
+    assert result["stats"]["cache_hits"] == 2 and result["stats"]["chunk_prefill_tokens"] == 0
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path, kvrag_home, capsys):
+    assert main(["ingest", str(tmp_path / "missing")]) == 2
+    assert "kvrag: error:" in capsys.readouterr().err
