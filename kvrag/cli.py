@@ -67,6 +67,19 @@ def _parser() -> argparse.ArgumentParser:
     qs.add_argument("--question", default=None)
 
     sub.add_parser("methods", help="list the available methods")
+
+    bench = sub.add_parser("bench", help="quality and speed of methods x recompute ratios on a JSONL dataset")
+    bench.add_argument("--data", required=True, help="JSONL shaped like shared/data/*.jsonl")
+    bench.add_argument("--n", type=int, default=100, help="examples (seeded sample)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--methods", default="cacheblend,epic,a3,fusionrag")
+    bench.add_argument("--ratios", default="0.05,0.15,0.3")
+    bench.add_argument("--similarity", action="store_true", help="also run FusionRAG's similarity-guided entries")
+    bench.add_argument("--max-new-tokens", type=int, default=24)
+    bench.add_argument("--out", required=True, help="output folder (re-running resumes)")
+    bench.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+    bench.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv)")
+    bench.add_argument("--device", default="cpu")
     return parser
 
 
@@ -170,7 +183,40 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"ingest": cmd_ingest, "ask": cmd_ask, "quickstart": cmd_quickstart, "methods": cmd_methods}
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvrag.engine import KVRag
+    from kvrag.eval.data import load_examples
+    from kvrag.eval.report import markdown_table, summarize, load_records, write_report
+    from kvrag.eval.runner import hardware, make_settings, run
+
+    examples = load_examples(args.data, n=args.n, seed=args.seed)
+    out = Path(args.out)
+    store = args.store or f"disk://{(out / 'kv').resolve()}"
+    rag = KVRag.from_pretrained(args.model, store=store, device=args.device)
+    methods = [m for m in args.methods.split(",") if m]
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    settings = make_settings(methods, ratios, similarity=args.similarity)
+    records = run(rag, examples, settings, out, max_new_tokens=args.max_new_tokens)
+    meta = {
+        "command": "kvrag " + " ".join(sys.argv[1:]),
+        "hardware": hardware(),
+        "data": args.data,
+        "n": len(examples),
+        "seed": args.seed,
+        "model": rag.lm.source,
+    }
+    write_report(records, out, meta)
+    print(markdown_table(summarize(load_records(records))))
+    return 0
+
+
+COMMANDS = {
+    "ingest": cmd_ingest,
+    "ask": cmd_ask,
+    "quickstart": cmd_quickstart,
+    "methods": cmd_methods,
+    "bench": cmd_bench,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

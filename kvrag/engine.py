@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -19,12 +19,15 @@ from kvrag.methods import Method, SelectContext, get_method, token_budget
 from kvrag.model import LoadedModel, kvrag_home, load_model
 from kvrag.precompute import KVComputer, LayerStack
 from kvrag.rope import Rotary
+from kvrag.similarity import neighbours_by_embedding, neighbours_from_index
 from kvrag.types import Answer, AnswerStats, Chunk
 
 log = logging.getLogger(__name__)
 
-KIND_CHUNK = "chunk"
+KIND_CHUNK = "chunk"  # a chunk's KV computed after the system prefix alone
+KIND_SIMILARITY = "similarity"  # ... after the prefix and its most similar chunks (FusionRAG §3.1)
 KIND_PREFIX = "prefix"
+CHUNK_KINDS = (KIND_CHUNK, KIND_SIMILARITY)
 
 
 @dataclass
@@ -44,7 +47,7 @@ class Prefill:
     segments: Segments
     selected: torch.Tensor
     stats: AnswerStats
-    started: float = 0.0
+    chunks: list[Chunk] = field(default_factory=list)
     stitched: Stitched | None = None
 
     @property
@@ -169,19 +172,58 @@ class KVRag:
             self._chunks[c.id] = c
         return out
 
-    def precompute(self, chunks: Iterable[Chunk], batch_size: int | None = None, progress: bool = True) -> PrecomputeReport:
-        """Compute and store the KV of every chunk not cached yet (batched, with a progress bar)."""
+    def precompute(
+        self,
+        chunks: Iterable[Chunk],
+        batch_size: int | None = None,
+        progress: bool = True,
+        kind: str = KIND_CHUNK,
+        neighbours: Mapping[str, Sequence[str]] | None = None,
+        top_n: int = 2,
+        index: Any = None,
+    ) -> PrecomputeReport:
+        """Compute and store the KV of every chunk not cached yet (batched, with a progress bar).
+
+        `kind="similarity"` stores FusionRAG's similarity-guided variant: each chunk's KV computed
+        with its `top_n` most similar chunks before it (from `neighbours`, else `index`, else the
+        embedding similarity among the chunks given). Answer with it via `kv_kind="similarity"`.
+        """
         t0 = time.perf_counter()
-        resolved = self._resolve(self.register(chunks))
+        if kind not in CHUNK_KINDS:
+            raise ValueError(f"kind must be one of {CHUNK_KINDS}, got {kind!r}")
+        resolved = self._resolve(self.register(chunks), kind)
         report = PrecomputeReport(chunks=len(resolved.chunks))
         missing = [i for i, k in enumerate(resolved.keys) if not self._contains(k)]
         report.already_cached = len(resolved.chunks) - len(missing)
         if missing:
-            self._compute_and_store(resolved, missing, batch_size, progress)
+            context = None
+            if kind == KIND_SIMILARITY:
+                context = self._neighbour_context([resolved.chunks[i] for i in missing], neighbours, top_n, index)
+            self._compute_and_store(resolved, missing, batch_size, progress, kind, context)
             report.computed = len(missing)
             report.tokens = sum(len(resolved.token_ids[i]) for i in missing)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _neighbour_context(
+        self, chunks: list[Chunk], neighbours: Mapping[str, Sequence[str]] | None, top_n: int, index: Any
+    ) -> list[list[int]]:
+        if neighbours is None:
+            if index is not None:
+                neighbours = neighbours_from_index(index, chunks, top_n)
+                self.register(index.get(sorted({n for ns in neighbours.values() for n in ns})))
+            else:
+                neighbours = neighbours_by_embedding(list(self._chunks.values()), top_n)
+        unknown = sorted({n for c in chunks for n in neighbours.get(c.id, ()) if n not in self._chunks})
+        if unknown:
+            raise ChunkNotFoundError(f"neighbour chunk ids not known to the engine: {unknown[:5]}; register() or precompute() them")
+        context = []
+        for c in chunks:
+            ids: list[int] = []
+            for n in neighbours.get(c.id, ()):
+                ids.extend(self.layout.chunk_ids(self._chunks[n]))
+            context.append(ids)
+        return context
 
     def _contains(self, key: str) -> bool:
         try:
@@ -190,20 +232,33 @@ class KVRag:
             log.warning("store contains failed (%s)", exc)
             return False
 
-    def _compute_and_store(self, resolved: _Resolved, idx: list[int], batch_size: int | None, progress: bool) -> list[LayerStack]:
+    def _compute_and_store(
+        self,
+        resolved: _Resolved,
+        idx: list[int],
+        batch_size: int | None,
+        progress: bool,
+        kind: str = KIND_CHUNK,
+        context: list[list[int]] | None = None,
+    ) -> list[LayerStack]:
         stacks = self.computer.chunk_kv(
-            self.prefix_kv(), [resolved.token_ids[i] for i in idx], batch_size=batch_size or self.batch_size, progress=progress
+            self.prefix_kv(),
+            [resolved.token_ids[i] for i in idx],
+            batch_size=batch_size or self.batch_size,
+            progress=progress,
+            context=context,
         )
         for i, (k, v) in zip(idx, stacks):
-            self._safe_put(resolved.keys[i], KVEntry(k, v, meta=self._entry_meta(KIND_CHUNK, len(resolved.token_ids[i]))))
+            key = self._key(kind, resolved.token_ids[i])
+            self._safe_put(key, KVEntry(k, v, meta=self._entry_meta(kind, len(resolved.token_ids[i]))))
         return stacks
 
-    def _resolve(self, chunks: Sequence[Chunk]) -> _Resolved:
+    def _resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK) -> _Resolved:
         res = _Resolved(chunks=list(chunks))
         for c in res.chunks:
             ids = self.layout.chunk_ids(c)
             res.token_ids.append(ids)
-            res.keys.append(self._key(KIND_CHUNK, ids))
+            res.keys.append(self._key(kind, ids))
         return res
 
     def _lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None) -> list[Chunk]:
@@ -227,6 +282,7 @@ class KVRag:
         chunks: Sequence[Chunk] | None = None,
         method: str | Method = "reuse",
         recompute_ratio: float = 0.15,
+        kv_kind: str = KIND_CHUNK,
         **method_params: Any,
     ) -> Prefill:
         """Everything up to the first token's logits: load, stitch, select, recompute."""
@@ -249,9 +305,9 @@ class KVRag:
             stats.chunk_prefill_tokens = stats.context_tokens
             stats.prefill_s = time.perf_counter() - t0
             stats.ttft_s = stats.prefill_s
-            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, t0)
+            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks)
 
-        stacks = self._load_chunks(resolved, stats)
+        stacks = self._load_chunks(resolved, stats, kv_kind)
         t1 = time.perf_counter()
         stitched = stitch(prefix, stacks, segments, self.rotary)
         t2 = time.perf_counter()
@@ -262,32 +318,38 @@ class KVRag:
         stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
         stats.recomputed_tokens = int(selected.numel())
         stats.ttft_s = t4 - t0
-        return Prefill(out, segments, selected, stats, t0, stitched)
+        return Prefill(out, segments, selected, stats, resolved.chunks, stitched)
 
-    def _load_chunks(self, resolved: _Resolved, stats: AnswerStats) -> list[LayerStack]:
+    def _load_chunks(self, resolved: _Resolved, stats: AnswerStats, kind: str = KIND_CHUNK) -> list[LayerStack]:
+        """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept)."""
+        if kind not in CHUNK_KINDS:
+            raise ValueError(f"kv_kind must be one of {CHUNK_KINDS}, got {kind!r}")
         t = time.perf_counter()
-        entries: list[KVEntry | None]
-        try:
-            entries = self.store.get_many(resolved.keys)
-        except Exception as exc:
-            log.warning("store get_many failed (%s); computing the chunks instead", exc)
-            entries = [None] * len(resolved.keys)
-        stacks: list[LayerStack | None] = []
-        misses = []
-        for i, e in enumerate(entries):
-            if self._valid(e, KIND_CHUNK, len(resolved.token_ids[i])):
-                stats.cache_hits += 1
-                stats.bytes_loaded += e.nbytes
-                stacks.append((e.keys.to(self.lm.device), e.values.to(self.lm.device)))
-            else:
-                stacks.append(None)
-                misses.append(i)
+        stacks: list[LayerStack | None] = [None] * len(resolved.chunks)
+        kinds = [kind] if kind == KIND_CHUNK else [kind, KIND_CHUNK]
+        for k in kinds:
+            todo = [i for i, st in enumerate(stacks) if st is None]
+            if not todo:
+                break
+            keys = [self._key(k, resolved.token_ids[i]) for i in todo]
+            try:
+                entries = self.store.get_many(keys)
+            except Exception as exc:
+                log.warning("store get_many failed (%s); computing the chunks instead", exc)
+                entries = [None] * len(keys)
+            for i, e in zip(todo, entries):
+                if self._valid(e, k, len(resolved.token_ids[i])):
+                    stats.cache_hits += 1
+                    stats.bytes_loaded += e.nbytes
+                    stacks[i] = (e.keys.to(self.lm.device), e.values.to(self.lm.device))
+        stats.path = kind
         stats.load_s = time.perf_counter() - t
+        misses = [i for i, st in enumerate(stacks) if st is None]
         if misses:
             stats.cache_misses = len(misses)
             computed = self._compute_and_store(resolved, misses, None, progress=False)
-            for i, s in zip(misses, computed):
-                stacks[i] = s
+            for i, st in zip(misses, computed):
+                stacks[i] = st
             stats.chunk_prefill_tokens = sum(len(resolved.token_ids[i]) for i in misses)
         return stacks  # type: ignore[return-value]
 
@@ -307,6 +369,7 @@ class KVRag:
         chunks: Sequence[Chunk] | None = None,
         method: str | Method = "reuse",
         recompute_ratio: float = 0.15,
+        kv_kind: str = KIND_CHUNK,
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -315,10 +378,24 @@ class KVRag:
         **method_params: Any,
     ) -> AnswerStream:
         """Like `answer`, but returns an iterator of text pieces (stats complete at the end)."""
+        pre = self.prefill(
+            question, chunk_ids, chunks=chunks, method=method, recompute_ratio=recompute_ratio, kv_kind=kv_kind, **method_params
+        )
+        return self.decode(pre, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+
+    def decode(
+        self,
+        pre: Prefill,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | str | None = None,
+        seed: int | None = None,
+    ) -> AnswerStream:
+        """Decode from a prefill (what `stream` does after `prefill`); the benchmark calls the two apart."""
         cfg = DecodeConfig(max_new_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop or ()), seed)
-        pre = self.prefill(question, chunk_ids, chunks=chunks, method=method, recompute_ratio=recompute_ratio, **method_params)
-        ids = [c for c in (chunk_ids or [c.id for c in (chunks or [])])]
-        return AnswerStream(self._decode(pre, cfg), pre.stats, list(ids))
+        ids = [c.id for c in pre.chunks]
+        return AnswerStream(self._decode(pre, cfg), pre.stats, ids)
 
     def _decode(self, pre: Prefill, cfg: DecodeConfig) -> Iterator[str]:
         state = DecodeState()

@@ -60,3 +60,26 @@ def test_cli_ingest_then_ask(tmp_path, kvrag_home, capsys):
 def test_cli_reports_errors_without_a_traceback(tmp_path, kvrag_home, capsys):
     assert main(["ingest", str(tmp_path / "missing")]) == 2
     assert "kvrag: error:" in capsys.readouterr().err
+
+
+def test_similarity_guided_preprocessing_lowers_kv_deviation(smollm, kvrag_home):
+    """FusionRAG §3.1 on the real model: chunks precomputed with their 2 most similar neighbours."""
+    from pathlib import Path
+
+    from kvrag.eval.data import load_examples
+    from kvrag.eval.deviation import kv_deviation
+    from kvrag.similarity import neighbours_by_embedding
+
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq10_dev.jsonl"
+    if not data.exists():
+        pytest.skip("shared/data not beside the repository")
+    ex = load_examples(data, n=1, seed=3)[0]
+    r = KVRag(smollm, store="memory://")
+    ids = [c.id for c in ex.chunks]
+    r.precompute(ex.chunks, progress=False)
+    r.precompute(ex.chunks, kind="similarity", neighbours=neighbours_by_embedding(ex.chunks, 2), progress=False)
+    plain = kv_deviation(r, ex.question, ids)
+    sim = kv_deviation(r, ex.question, ids, kv_kind="similarity")
+    print(f"KV deviation layer 1: plain {plain[1]:.3f} similarity {sim[1]:.3f}; all layers {plain.mean():.2f} vs {sim.mean():.2f}")
+    assert sim[1] < 0.7 * plain[1]
+    assert sim.mean() < plain.mean()

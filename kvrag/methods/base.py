@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -22,18 +22,36 @@ class SelectContext:
 
 
 class Method:
-    """Base of every method; subclasses set `name` and implement `select`."""
+    """Base of every method; subclasses set `name` and implement `select`.
+
+    Parameters are keyword arguments of the subclass constructor (with the papers' defaults), so
+    `rag.answer(..., method="a3", layer=2)` reaches them.
+    """
 
     name: ClassVar[str] = ""
     full_attention: ClassVar[bool] = False  # True only for the no-reuse baseline
 
-    def __init__(self, **params: Any) -> None:
-        if params:
-            raise TypeError(f"method {self.name!r} takes no parameters {sorted(params)}")
+    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
+        """Global positions (inside chunks) to recompute, exactly `budget` of them."""
+        raise NotImplementedError
+
+
+class ScoredMethod(Method):
+    """A rule that scores every chunk token and keeps the `budget` highest."""
+
+    def scores(self, ctx: SelectContext) -> torch.Tensor:
+        """One score per chunk token, aligned with `ctx.stitched.chunk_positions()`."""
+        raise NotImplementedError
 
     def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
-        """Global positions (inside chunks) to recompute, at most `budget` of them."""
-        raise NotImplementedError
+        positions = ctx.stitched.chunk_positions()
+        if budget <= 0:
+            return torch.empty(0, dtype=torch.long)
+        if budget >= positions.numel():
+            return positions
+        scores = self.scores(ctx).float().cpu()
+        top = torch.topk(scores, budget).indices
+        return positions[top].sort().values
 
 
 def token_budget(ratio: float, chunk_tokens: int) -> int:
@@ -41,3 +59,4 @@ def token_budget(ratio: float, chunk_tokens: int) -> int:
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"recompute_ratio must be within [0, 1], got {ratio}")
     return min(chunk_tokens, int(round(ratio * chunk_tokens)))
+

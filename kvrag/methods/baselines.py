@@ -8,7 +8,7 @@ from kvrag.methods.base import Method, SelectContext
 
 
 class FullAttention(Method):
-    """No reuse: every chunk token is prefilled (only the fixed system prefix comes from cache)."""
+    """Full Attention: no reuse; every chunk token is prefilled (the baseline)."""
 
     name = "full"
     full_attention = True
@@ -18,7 +18,7 @@ class FullAttention(Method):
 
 
 class FullReuse(Method):
-    """TurboRAG / PIE / KVLink-0: stored KV re-rotated to global positions, nothing recomputed."""
+    """Full Reuse (TurboRAG / PIE / KVLink-0): stored KV re-rotated, nothing recomputed."""
 
     name = "reuse"
 

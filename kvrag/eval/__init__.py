@@ -1,0 +1,1 @@
+"""Evaluation: datasets, metrics, the method x ratio runner and its report."""

@@ -1,0 +1,155 @@
+"""Methods x recompute ratios on one dataset, in one run, Full Attention and Full Reuse always in.
+
+Each example is answered with Full Attention first, so every other setting's answer agreement,
+first-token KL and TTFT ratio are paired with it in the same run (absolute times on a shared
+machine drift; paired ratios hold). Records go to a JSONL file as they are made, so an
+interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kvrag.engine import KIND_CHUNK, KIND_SIMILARITY, KVRag, Prefill
+from kvrag.eval.data import Example
+from kvrag.eval.metrics import agreement, best_f1, contains, first_token_kl
+
+
+@dataclass(frozen=True)
+class Setting:
+    method: str
+    ratio: float = 0.0
+    kv_kind: str = KIND_CHUNK
+
+    @property
+    def name(self) -> str:
+        if self.method in ("full", "reuse"):
+            base = self.method
+        else:
+            base = f"{self.method}@{self.ratio:g}"
+        return base + ("+sim" if self.kv_kind == KIND_SIMILARITY else "")
+
+
+def make_settings(methods: Sequence[str], ratios: Sequence[float], similarity: bool = False) -> list[Setting]:
+    """Full and reuse once each (the two ends), every other method at every ratio (ratio 0 is reuse)."""
+    out = [Setting("full"), Setting("reuse")]
+    for m in methods:
+        if m in ("full", "reuse"):
+            continue
+        out += [Setting(m, r) for r in ratios if r > 0]
+    if similarity:
+        out += [Setting("reuse", 0.0, KIND_SIMILARITY)]
+        out += [Setting(m, r, KIND_SIMILARITY) for m in methods if m not in ("full", "reuse") for r in ratios if r > 0]
+    return out
+
+
+def hardware() -> dict[str, Any]:
+    info = {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+        info["cpu"] = names[0] if names else ""
+        info["cores"] = len(names)
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _done(path: Path) -> set[tuple[str, str]]:
+    done = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                done.add((r["example"], r["setting"]))
+            except (ValueError, KeyError):
+                continue  # a line cut off by an interruption
+    return done
+
+
+def _record(ex: Example, st: Setting, pre: Prefill, text: str, full_text: str, full: Prefill | None) -> dict[str, Any]:
+    s = pre.stats
+    return {
+        "example": ex.id,
+        "setting": st.name,
+        "method": st.method,
+        "ratio": 1.0 if st.method == "full" else st.ratio,
+        "kv_kind": st.kv_kind,
+        "answer": text,
+        "f1": best_f1(text, ex.answers),
+        "contains": contains(text, ex.answers),
+        "agree": agreement(text, full_text),
+        "kl": first_token_kl(full.logits, pre.logits) if full is not None else 0.0,
+        "ttft_s": s.ttft_s,
+        "full_ttft_s": full.stats.ttft_s if full is not None else s.ttft_s,
+        "load_s": s.load_s,
+        "stitch_s": s.stitch_s,
+        "select_s": s.select_s,
+        "recompute_s": s.recompute_s,
+        "prefill_s": s.prefill_s,
+        "recomputed_tokens": s.recomputed_tokens,
+        "context_tokens": s.context_tokens,
+        "prompt_tokens": s.prompt_tokens,
+        "decode_tok_s": s.decode_tokens_per_s,
+        "bytes_loaded": s.bytes_loaded,
+        "kept_kv_ratio": s.kept_kv_ratio,
+    }
+
+
+def run(
+    rag: KVRag,
+    examples: Iterable[Example],
+    settings: Sequence[Setting],
+    out_dir: str | Path,
+    max_new_tokens: int = 24,
+    progress: bool = True,
+    similarity_top_n: int = 2,
+) -> Path:
+    """Answer every example under every setting; returns the records file."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = out / "records.jsonl"
+    done = _done(records)
+    examples = list(examples)
+    if any(st.kv_kind == KIND_SIMILARITY for st in settings):
+        corpus = {c.id: c for ex in examples for c in ex.chunks}
+        rag.precompute(list(corpus.values()), progress=progress)
+        rag.precompute(list(corpus.values()), kind=KIND_SIMILARITY, top_n=similarity_top_n, progress=progress)
+    bar = tqdm(total=len(examples) * len(settings), desc="bench", unit="answer", disable=not progress)
+    with records.open("a") as f:
+        for ex in examples:
+            todo = [st for st in settings if (ex.id, st.name) not in done]
+            bar.update(len(settings) - len(todo))
+            if not todo:
+                continue
+            rag.precompute(ex.chunks, progress=False)  # offline work, not timed
+            ids = [c.id for c in ex.chunks]
+            rag.prefill(ex.question, ids, method="reuse")  # warm-up: the store serves from a warm page cache
+            full = rag.prefill(ex.question, ids, method="full")
+            full_text = rag.decode(full, max_new_tokens=max_new_tokens).answer().text
+            for st in todo:
+                if st.method == "full":
+                    pre, text = full, full_text
+                else:
+                    pre = rag.prefill(ex.question, ids, method=st.method, recompute_ratio=st.ratio, kv_kind=st.kv_kind)
+                    text = rag.decode(pre, max_new_tokens=max_new_tokens).answer().text
+                f.write(json.dumps(_record(ex, st, pre, text, full_text, full)) + "\n")
+                f.flush()
+                bar.update(1)
+    bar.close()
+    return records

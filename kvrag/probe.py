@@ -1,0 +1,132 @@
+"""Probes: run a few tokens part-way through the model over the stitched cache and look inside.
+
+Selection rules need signals from inside the model (the question's attention at some layer, the
+KV deviation of a real recompute at an early layer). A probe runs the stock decoder layers on the
+chosen tokens at their true positions over a scratch copy of the stitched cache, captures queries
+and the layer's full keys/values, and stops right after the deepest layer asked for. The stored
+and stitched tensors are never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from kvrag.cache import SpliceCache
+from kvrag.fuse import Stitched, causal_mask_by_position
+from kvrag.model import LoadedModel, decoder_of
+from kvrag.precompute import unstack_layers
+from kvrag.rope import Rotary
+
+
+class _StopProbe(Exception):
+    pass
+
+
+@dataclass
+class ProbeResult:
+    positions: torch.Tensor  # [n] positions of the probed tokens (overwritten chunk tokens first, then the question)
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, n, head_dim], rotated
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, total, head_dim]
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+
+
+def resolve_layer(lm: LoadedModel, layer: int) -> int:
+    n = len(decoder_of(lm.model).layers)
+    idx = layer if layer >= 0 else n + layer
+    if not 0 <= idx < n:
+        raise ValueError(f"layer {layer} out of range for a {n}-layer model")
+    return idx
+
+
+def _queries(attn: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """The attention module's rotated queries, computed the way its forward does (q_norm if any)."""
+    head_dim = getattr(attn, "head_dim", None) or attn.q_proj.out_features // attn.config.num_attention_heads
+    q = attn.q_proj(hidden).view(*hidden.shape[:-1], -1, head_dim)
+    if getattr(attn, "q_norm", None) is not None:
+        q = attn.q_norm(q)
+    q = q.transpose(1, 2)
+    return rotary._apply(q, q, cos, sin)[0]
+
+
+@torch.no_grad()
+def probe(
+    lm: LoadedModel,
+    rotary: Rotary,
+    stitched: Stitched,
+    layers: Iterable[int],
+    recompute: torch.Tensor | None = None,
+) -> ProbeResult:
+    """Run `recompute` chunk positions (overwriting) plus the question through layers 0..max(layers)."""
+    seg = stitched.segments
+    want = sorted({resolve_layer(lm, l) for l in layers})
+    last = want[-1]
+    device = lm.device
+    over = (recompute if recompute is not None else torch.empty(0, dtype=torch.long)).to(device).sort().values
+    positions = torch.cat([over, torch.arange(seg.context_len, seg.total_len, device=device)])
+    ids = torch.tensor(seg.all_ids(), device=device)[positions][None]
+    # scratch copies only of the layers the probe reaches; deeper layers are never touched
+    kv = unstack_layers(stitched.keys, stitched.values)
+    kv = [(k.clone(), v.clone()) if i <= last else (k, v) for i, (k, v) in enumerate(kv)]
+    cache = SpliceCache(kv)
+    cache.overwrite(over if over.numel() else None)
+    result = ProbeResult(positions=positions)
+    layers_mod = decoder_of(lm.model).layers
+    hooks = []
+
+    def make_pre(i: int):
+        def pre(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            result.queries[i] = _queries(module, hidden, cos, sin, rotary)[0]
+            result.scaling[i] = float(getattr(module, "scaling", hidden.shape[-1] ** -0.5))
+
+        return pre
+
+    def make_post(i: int):
+        def post(module, args, output):
+            layer = cache.layers[i]
+            result.keys[i], result.values[i] = layer.keys[0], layer.values[0]
+            if i == last:
+                raise _StopProbe
+
+        return post
+
+    for i in want:
+        attn = layers_mod[i].self_attn
+        hooks.append(attn.register_forward_pre_hook(make_pre(i), with_kwargs=True))
+        hooks.append(attn.register_forward_hook(make_post(i)))
+    try:
+        lm.model(
+            input_ids=ids,
+            position_ids=positions[None],
+            attention_mask=causal_mask_by_position(positions, seg.total_len, lm.dtype),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    except _StopProbe:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return result
+
+
+def attention_probs(result: ProbeResult, layer: int, query_rows: slice | None = None) -> torch.Tensor:
+    """Softmax attention of the probed tokens at `layer`: [heads, n, total], causal by position."""
+    q = result.queries[layer].float()
+    k = result.keys[layer].float()
+    if query_rows is not None:
+        q = q[:, query_rows]
+        pos = result.positions[query_rows]
+    else:
+        pos = result.positions
+    groups = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(groups, dim=0)
+    scores = torch.einsum("hnd,htd->hnt", q, k) * result.scaling[layer]
+    mask = causal_mask_by_position(pos.to(q.device), k.shape[1], torch.float32)[0, 0]
+    return torch.softmax(scores + mask, dim=-1)

@@ -1,0 +1,150 @@
+"""Selection methods on the one shared recompute path: exactness at the ends, sizes, and behaviour."""
+
+import pytest
+import torch
+
+from kvrag import Chunk, KVRag, from_model
+from kvrag.methods import METHODS, get_method, token_budget
+from kvrag.methods.base import SelectContext
+from kvrag.probe import probe
+from tiny import ARCHS, tiny_model, tiny_tokenizer
+
+SELECTIVE = ["cacheblend", "epic", "a3", "fusionrag"]
+CHUNKS = [
+    Chunk("a", "The cat sat on the mat and purred all afternoon long."),
+    Chunk("b", "Volcanoes erupt lava, ash and gas from deep below the crust.", title="Geology"),
+    Chunk("c", "Stock markets rose today after the central bank spoke."),
+]
+IDS = [c.id for c in CHUNKS]
+Q = "What did the cat do on the mat?"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def rag(request):
+    r = KVRag(from_model(tiny_model(request.param), tiny_tokenizer()), store="memory://")
+    r.precompute(CHUNKS, progress=False)
+    return r
+
+
+def test_all_papers_methods_are_registered():
+    assert {"full", "reuse", *SELECTIVE} <= set(METHODS)
+
+
+@pytest.mark.parametrize("method", SELECTIVE)
+def test_ratio_one_is_full_attention_and_ratio_zero_is_reuse(rag, method):
+    full = rag.prefill(Q, IDS, method="full")
+    reuse = rag.prefill(Q, IDS, method="reuse")
+    all_ = rag.prefill(Q, IDS, method=method, recompute_ratio=1.0)
+    none = rag.prefill(Q, IDS, method=method, recompute_ratio=0.0)
+    assert (all_.logits - full.logits).abs().max().item() <= 1e-4
+    assert torch.equal(none.logits, reuse.logits)
+    assert none.stats.recomputed_tokens == 0
+
+
+@pytest.mark.parametrize("method", SELECTIVE)
+@pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3, 0.5])
+def test_selection_has_the_requested_size_and_lies_inside_chunks(rag, method, ratio):
+    pre = rag.prefill(Q, IDS, method=method, recompute_ratio=ratio)
+    seg = pre.segments
+    n_ctx = seg.context_len - len(seg.prefix)
+    sel = pre.selected
+    assert sel.numel() == token_budget(ratio, n_ctx) == pre.stats.recomputed_tokens
+    assert sel.unique().numel() == sel.numel()
+    assert int(sel.min()) >= len(seg.prefix) and int(sel.max()) < seg.context_len  # never prefix or question
+
+
+def test_partial_recompute_sits_between_reuse_and_full(rag):
+    full = rag.prefill(Q, IDS, method="full").logits
+    reuse = rag.prefill(Q, IDS, method="reuse").logits
+    half = rag.prefill(Q, IDS, method="epic", recompute_ratio=0.5).logits
+    assert (half - full).abs().max() < (reuse - full).abs().max()
+
+
+def test_epic_picks_the_head_of_every_chunk(rag):
+    pre = rag.prefill(Q, IDS, method="epic", recompute_ratio=0.15)
+    seg, sel = pre.segments, set(pre.selected.tolist())
+    per_chunk = len(sel) // len(seg.chunks)
+    for start, chunk in zip(seg.chunk_starts, seg.chunks):
+        assert set(range(start, start + per_chunk)) <= sel  # the first tokens of each chunk
+        assert not any(p in sel for p in range(start + per_chunk + 1, start + len(chunk)))
+
+
+def test_question_guided_rules_follow_the_question_and_the_others_do_not(rag):
+    other_q = "Which markets rose after the bank's statement today?"
+    for method, follows in [("a3", True), ("fusionrag", True), ("epic", False), ("cacheblend", False)]:
+        s1 = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15).selected
+        s2 = rag.prefill(other_q, IDS, method=method, recompute_ratio=0.15).selected
+        assert (not torch.equal(s1, s2)) == follows, method
+
+
+def test_probe_leaves_the_stitched_cache_untouched(rag):
+    pre = rag.prefill(Q, IDS, method="reuse")
+    keys, values = pre.stitched.keys.clone(), pre.stitched.values.clone()
+    result = probe(rag.lm, rag.rotary, pre.stitched, [0, 1], recompute=pre.stitched.chunk_positions())
+    assert torch.equal(pre.stitched.keys, keys) and torch.equal(pre.stitched.values, values)
+    assert set(result.queries) == {0, 1} and result.keys[1].shape[1] == pre.segments.total_len
+    # a recompute probe at layer 0 reproduces Full Attention's layer-0 KV exactly (it depends on tokens only)
+    full = rag.prefill(Q, IDS, method="full").output.cache.layers[0]
+    assert (result.keys[0] - full.keys[0]).abs().max() <= 1e-5
+
+
+def test_method_parameters(rag):
+    key = rag.prefill(Q, IDS, method="cacheblend", recompute_ratio=0.2, deviation="key")
+    value = rag.prefill(Q, IDS, method="cacheblend", recompute_ratio=0.2)
+    assert key.selected.numel() == value.selected.numel()
+    deep = rag.prefill(Q, IDS, method="a3", recompute_ratio=0.2, layer=2)
+    assert deep.selected.numel() == value.selected.numel()
+    with pytest.raises(TypeError, match="a3"):
+        get_method("a3", window=3)
+    with pytest.raises(ValueError, match="out of range"):
+        rag.prefill(Q, IDS, method="a3", layer=99)
+    with pytest.raises(ValueError, match="deviation"):
+        get_method("cacheblend", deviation="both")
+
+
+def test_similarity_guided_entries_are_their_own_kind(rag):
+    report = rag.precompute(CHUNKS, kind="similarity", neighbours={"a": ["b"], "b": ["a", "c"], "c": []}, progress=False)
+    assert report.computed == 3
+    sim = rag.prefill(Q, IDS, method="reuse", kv_kind="similarity")
+    plain = rag.prefill(Q, IDS, method="reuse")
+    assert sim.stats.cache_hits == 3 and sim.stats.chunk_prefill_tokens == 0 and sim.stats.path == "similarity"
+    assert not torch.equal(sim.logits, plain.logits)
+    # a chunk with no neighbours computes exactly its plain KV
+    c0, c1 = sim.stitched.chunk_spans[2]
+    assert (sim.stitched.keys[:, :, c0:c1] - plain.stitched.keys[:, :, c0:c1]).abs().max() <= 1e-5
+    a0, a1 = sim.stitched.chunk_spans[0]
+    assert (sim.stitched.values[:, :, a0:a1] - plain.stitched.values[:, :, a0:a1]).abs().max() > 1e-4
+    assert rag.precompute(CHUNKS, kind="similarity", progress=False).already_cached == 3
+
+
+def test_similarity_kind_falls_back_to_plain_entries():
+    r = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://")
+    r.precompute(CHUNKS, progress=False)  # plain only
+    out = r.prefill(Q, IDS, method="reuse", kv_kind="similarity")
+    assert out.stats.cache_hits == 3 and out.stats.chunk_prefill_tokens == 0
+
+
+def test_probe_attention_equals_the_models_own_attention_weights():
+    """The probe's softmax attention is what the eager attention computes inside the model."""
+    from kvrag.cache import SpliceCache
+    from kvrag.fuse import causal_mask_by_position
+    from kvrag.precompute import unstack_layers
+    from kvrag.probe import attention_probs
+
+    for arch in ("llama", "qwen3"):
+        r = KVRag(from_model(tiny_model(arch, attn="eager"), tiny_tokenizer()), store="memory://")
+        r.precompute(CHUNKS, progress=False)
+        st = r.prefill(Q, IDS, method="reuse").stitched
+        seg = st.segments
+        result = probe(r.lm, r.rotary, st, [1, 2])
+        pos = torch.arange(seg.context_len, seg.total_len)
+        cache = SpliceCache(unstack_layers(st.keys.clone(), st.values.clone()))
+        out = r.lm.model(
+            input_ids=torch.tensor(seg.all_ids())[pos][None],
+            position_ids=pos[None],
+            attention_mask=causal_mask_by_position(pos, seg.total_len, torch.float32),
+            past_key_values=cache,
+            output_attentions=True,
+        )
+        for layer in (1, 2):
+            assert (out.attentions[layer][0] - attention_probs(result, layer)).abs().max() <= 1e-5
