@@ -1,18 +1,24 @@
-"""The store protocol, the entry type and the store's errors.
+"""The store protocol, the entry type, the store's errors, and the shared byte-store logic.
 
 Stores hold opaque, content-addressed entries: the key already encodes the model fingerprint,
-layout and chunk tokens, so a store never needs to understand what it holds.
+layout, entry kind and chunk tokens, so a store never needs to understand what it holds. Beside
+the entries, a store keeps a node-id index (user id -> content key) so integrations can name
+chunks by their own ids, and changed text under an old id becomes a miss rather than stale KV.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import logging
+import threading
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from kvrag.errors import KVRagError
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(KVRagError):
@@ -25,11 +31,13 @@ class CorruptEntryError(StoreError):
 
 @dataclass
 class KVEntry:
-    """One cached segment: keys [layers, kv_heads, tokens, head_dim] (RoPE-free) and values alike."""
+    """One cached segment: keys [layers, kv_heads, tokens, head_dim] (RoPE-free), values alike,
+    and optionally the segment's token ids (which make the entry self-contained)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,10 +71,10 @@ class StoreStats:
     bytes_read: int = 0
     bytes_written: int = 0
     errors: int = 0
+    evictions: int = 0
+    prefetched: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
 
 
@@ -90,9 +98,110 @@ class KVStore(Protocol):
 
     def prefetch(self, keys: Iterable[str]) -> None: ...
 
+    def link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None: ...
+
+    def resolve(self, user_ids: Sequence[str]) -> list[str | None]: ...
+
 
 def check_key(key: str) -> str:
     """Keys are hex digests; anything else is refused so no user text can reach a file name."""
-    if not (16 <= len(key) <= 128) or any(c not in "0123456789abcdef" for c in key):
-        raise StoreError(f"invalid store key {key[:40]!r}: expected a lowercase hex digest")
+    if not isinstance(key, str) or not (16 <= len(key) <= 128) or any(c not in "0123456789abcdef" for c in key):
+        raise StoreError(f"invalid store key {str(key)[:40]!r}: expected a lowercase hex digest")
     return key
+
+
+class ByteStore:
+    """Shared logic of stores that keep encoded bytes (disk, Redis): decode, verify, count, evict corrupt.
+
+    Subclasses implement `_read_many`, `_write`, `_remove`, `_exists`, `_link` and `_resolve`.
+    """
+
+    url: str = ""
+
+    def __init__(self, quantize: bool = False) -> None:
+        self.quantize = quantize
+        self._stats = StoreStats()
+        self._lock = threading.Lock()
+
+    # -- raw operations, per backend ------------------------------------------------------------
+    def _read_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def _write(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _remove(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
+        raise NotImplementedError
+
+    # -- the protocol -----------------------------------------------------------------------------
+    def get(self, key: str) -> KVEntry | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[KVEntry | None]:
+        from .format import decode_entry
+
+        for k in keys:
+            check_key(k)
+        raw = self._read_many(keys)
+        out: list[KVEntry | None] = []
+        for key, data in zip(keys, raw):
+            entry = None
+            if data is not None:
+                try:
+                    entry = decode_entry(data)
+                except CorruptEntryError as exc:
+                    log.warning("deleting corrupt cache entry %s…: %s", key[:12], exc)
+                    with self._lock:
+                        self._stats.errors += 1
+                    self._remove(key)
+            with self._lock:
+                if entry is None:
+                    self._stats.misses += 1
+                else:
+                    self._stats.hits += 1
+                    self._stats.bytes_read += len(data)  # type: ignore[arg-type]
+            out.append(entry)
+        return out
+
+    def put(self, key: str, entry: KVEntry) -> None:
+        from .format import encode_entry
+
+        data = encode_entry(entry, quantize=self.quantize)
+        self._write(check_key(key), data)
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.bytes_written += len(data)
+
+    def contains(self, key: str) -> bool:
+        return self._exists(check_key(key))
+
+    def delete(self, key: str) -> None:
+        self._remove(check_key(key))
+
+    def stats(self) -> StoreStats:
+        return self._stats
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Nothing to do here; the tiered store prefetches from a byte store into memory."""
+
+    def link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
+        for k in keys:
+            check_key(k)
+        self._link([str(u) for u in user_ids], list(keys))
+
+    def resolve(self, user_ids: Sequence[str]) -> list[str | None]:
+        return self._resolve([str(u) for u in user_ids])
+
+
+def user_id_digest(user_id: str) -> str:
+    """A user id becomes a file/field name only through this hash."""
+    return hashlib.sha256(user_id.encode("utf-8", "surrogatepass")).hexdigest()

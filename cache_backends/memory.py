@@ -17,6 +17,7 @@ class MemoryStore:
         self._bytes = 0
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self._index: dict[str, str] = {}
 
     def get(self, key: str) -> KVEntry | None:
         with self._lock:
@@ -47,6 +48,7 @@ class MemoryStore:
             while self.max_bytes is not None and self._bytes > self.max_bytes:
                 _, evicted = self._items.popitem(last=False)
                 self._bytes -= evicted.nbytes
+                self._stats.evictions += 1
 
     def contains(self, key: str) -> bool:
         return check_key(key) in self._items
@@ -62,6 +64,18 @@ class MemoryStore:
 
     def prefetch(self, keys: Iterable[str]) -> None:
         """Everything is in memory already."""
+
+    def link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
+        with self._lock:
+            for uid, key in zip(user_ids, keys):
+                self._index[str(uid)] = check_key(key)
+
+    def resolve(self, user_ids: Sequence[str]) -> list[str | None]:
+        return [self._index.get(str(u)) for u in user_ids]
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._items)

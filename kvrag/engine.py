@@ -77,9 +77,12 @@ class AnswerStream:
 
 @dataclass
 class _Resolved:
+    """The chunks of one request: their token ids, plain-entry keys, and entries already loaded."""
+
     chunks: list[Chunk]
     token_ids: list[list[int]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    loaded: dict[int, KVEntry] = field(default_factory=dict)
 
 
 class KVRag:
@@ -143,34 +146,48 @@ class KVRag:
         if self._prefix is None:
             ids = self.layout.prefix_ids
             key = self._key(KIND_PREFIX, ids)
-            entry = self._safe_get(key)
+            entry = self._store_call("get", key, default=None)
             if self._valid(entry, KIND_PREFIX, len(ids)):
                 self._prefix = (entry.keys.to(self.lm.device), entry.values.to(self.lm.device))
             else:
                 self._prefix = self.computer.prefix_kv(ids)
-                self._safe_put(key, KVEntry(*self._prefix, meta=self._entry_meta(KIND_PREFIX, len(ids))))
+                self._store_call("put", key, KVEntry(*self._prefix, meta=self._entry_meta(KIND_PREFIX, len(ids))), default=None)
         return self._prefix
-
-    def _safe_get(self, key: str) -> KVEntry | None:
-        try:
-            return self.store.get(key)
-        except Exception as exc:  # a store fault is a miss: the chunk is computed instead
-            log.warning("store get failed (%s); computing instead", exc)
-            return None
-
-    def _safe_put(self, key: str, entry: KVEntry) -> None:
-        try:
-            self.store.put(key, entry)
-        except Exception as exc:
-            log.warning("store put failed (%s); the entry is not kept", exc)
 
     # -- precompute ---------------------------------------------------------------------------
     def register(self, chunks: Iterable[Chunk]) -> list[Chunk]:
-        """Remember chunk texts by id so `answer(chunk_ids=...)` can find them."""
+        """Remember chunks by id (here and in the store's node-id index) so `answer(chunk_ids=...)` finds them.
+
+        The index maps a user id to the content key of its current text, so a chunk whose text
+        changed under the same id resolves to a new key: a miss, never stale KV.
+        """
         out = list(chunks)
+        changed = [c for c in out if self._chunks.get(c.id) != c]
         for c in out:
             self._chunks[c.id] = c
+        if changed:
+            keys = [self._key(KIND_CHUNK, self.layout.chunk_ids(c)) for c in changed]
+            try:
+                self.store.link([c.id for c in changed], keys)
+            except Exception as exc:
+                log.warning("store index update failed (%s)", exc)
         return out
+
+    def prefetch(self, chunk_ids: Sequence[str] | None = None, chunks: Sequence[Chunk] | None = None) -> None:
+        """Start loading these chunks' KV (a tiered store loads in the background; others ignore it)."""
+        keys = [self._key(KIND_CHUNK, self.layout.chunk_ids(c)) for c in (chunks or ())]
+        unknown = [i for i in (chunk_ids or ()) if i not in self._chunks]
+        keys += [self._key(KIND_CHUNK, self.layout.chunk_ids(self._chunks[i])) for i in (chunk_ids or ()) if i in self._chunks]
+        if unknown:
+            keys += [k for k in self._store_call("resolve", unknown, default=[]) if k]
+        self._store_call("prefetch", keys, default=None)
+
+    def _store_call(self, name: str, *args: Any, default: Any) -> Any:
+        try:
+            return getattr(self.store, name)(*args)
+        except Exception as exc:  # a store fault never fails a request
+            log.warning("store %s failed (%s)", name, exc)
+            return default
 
     def precompute(
         self,
@@ -186,14 +203,14 @@ class KVRag:
 
         `kind="similarity"` stores FusionRAG's similarity-guided variant: each chunk's KV computed
         with its `top_n` most similar chunks before it (from `neighbours`, else `index`, else the
-        embedding similarity among the chunks given). Answer with it via `kv_kind="similarity"`.
+        embedding similarity among all chunks this engine knows). Answer with it via `kv_kind="similarity"`.
         """
         t0 = time.perf_counter()
         if kind not in CHUNK_KINDS:
             raise ValueError(f"kind must be one of {CHUNK_KINDS}, got {kind!r}")
         resolved = self._resolve(self.register(chunks), kind)
         report = PrecomputeReport(chunks=len(resolved.chunks))
-        missing = [i for i, k in enumerate(resolved.keys) if not self._contains(k)]
+        missing = [i for i, k in enumerate(resolved.keys) if not self._store_call("contains", k, default=False)]
         report.already_cached = len(resolved.chunks) - len(missing)
         if missing:
             context = None
@@ -225,13 +242,6 @@ class KVRag:
             context.append(ids)
         return context
 
-    def _contains(self, key: str) -> bool:
-        try:
-            return self.store.contains(key)
-        except Exception as exc:
-            log.warning("store contains failed (%s)", exc)
-            return False
-
     def _compute_and_store(
         self,
         resolved: _Resolved,
@@ -249,8 +259,9 @@ class KVRag:
             context=context,
         )
         for i, (k, v) in zip(idx, stacks):
-            key = self._key(kind, resolved.token_ids[i])
-            self._safe_put(key, KVEntry(k, v, meta=self._entry_meta(kind, len(resolved.token_ids[i]))))
+            ids = resolved.token_ids[i]
+            entry = KVEntry(k, v, meta=self._entry_meta(kind, len(ids)), token_ids=torch.tensor(ids, dtype=torch.int64))
+            self._store_call("put", self._key(kind, ids), entry, default=None)
         return stacks
 
     def _resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK) -> _Resolved:
@@ -261,17 +272,40 @@ class KVRag:
             res.keys.append(self._key(kind, ids))
         return res
 
-    def _lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None) -> list[Chunk]:
+    def _lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None) -> _Resolved:
+        """Chunks given with text, or ids known here, or ids the store's node index can resolve."""
         if chunks:
-            return self.register(chunks)
+            return self._resolve(self.register(chunks))
         if not chunk_ids:
             raise EmptyRetrievalError("no chunks to answer from: pass chunk_ids=[...] or chunks=[...] (retrieval returned nothing?)")
-        missing = [i for i in chunk_ids if i not in self._chunks]
-        if missing:
-            raise ChunkNotFoundError(
-                f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text"
-            )
-        return [self._chunks[i] for i in chunk_ids]
+        unknown = [i for i in dict.fromkeys(chunk_ids) if i not in self._chunks]
+        from_store: dict[str, KVEntry] = {}
+        if unknown:
+            keys = self._store_call("resolve", unknown, default=[None] * len(unknown))
+            found = [(u, k) for u, k in zip(unknown, keys) if k]
+            entries = self._store_call("get_many", [k for _, k in found], default=[None] * len(found)) if found else []
+            for (uid, _), entry in zip(found, entries):
+                if entry is not None and entry.token_ids is not None and self._valid(entry, KIND_CHUNK, entry.num_tokens):
+                    from_store[uid] = entry
+            missing = [u for u in unknown if u not in from_store]
+            if missing:
+                raise ChunkNotFoundError(
+                    f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text"
+                )
+        res = _Resolved(chunks=[])
+        for i, cid in enumerate(chunk_ids):
+            if cid in self._chunks:
+                chunk = self._chunks[cid]
+                ids = self.layout.chunk_ids(chunk)
+            else:  # known only to the store: the entry carries the token ids
+                entry = from_store[cid]
+                ids = entry.token_ids.tolist()
+                chunk = Chunk(cid, self.lm.tokenizer.decode(ids), metadata={"source": "store"})
+                res.loaded[i] = entry
+            res.chunks.append(chunk)
+            res.token_ids.append(ids)
+            res.keys.append(self._key(KIND_CHUNK, ids))
+        return res
 
     # -- answering ----------------------------------------------------------------------------
     def prefill(
@@ -291,7 +325,7 @@ class KVRag:
             raise ValueError("question must be a non-empty string")
         meth = get_method(method, **method_params)
         stats = AnswerStats(method=meth.name)
-        resolved = self._resolve(self._lookup(chunk_ids, chunks))
+        resolved = self._lookup(chunk_ids, chunks)
         segments = self.layout.segments(resolved.token_ids, question)
         self._check_length(segments)
         stats.prompt_tokens = segments.total_len
@@ -331,13 +365,14 @@ class KVRag:
             todo = [i for i, st in enumerate(stacks) if st is None]
             if not todo:
                 break
+            if k == KIND_CHUNK and resolved.loaded:
+                entries = {i: resolved.loaded[i] for i in todo if i in resolved.loaded}
+                todo = [i for i in todo if i not in entries]
+            else:
+                entries = {}
             keys = [self._key(k, resolved.token_ids[i]) for i in todo]
-            try:
-                entries = self.store.get_many(keys)
-            except Exception as exc:
-                log.warning("store get_many failed (%s); computing the chunks instead", exc)
-                entries = [None] * len(keys)
-            for i, e in zip(todo, entries):
+            entries.update(zip(todo, self._store_call("get_many", keys, default=[None] * len(keys)) if keys else []))
+            for i, e in entries.items():
                 if self._valid(e, k, len(resolved.token_ids[i])):
                     stats.cache_hits += 1
                     stats.bytes_loaded += e.nbytes
