@@ -88,5 +88,12 @@ class TieredStore:
     def resolve(self, user_ids: Sequence[str]) -> list[str | None]:
         return self.lower.resolve(user_ids)
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every prefetch in flight has finished."""
+        with self._lock:
+            pending = list(self._inflight.values())
+        for fut in pending:
+            fut.result(timeout=timeout)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

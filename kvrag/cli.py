@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
     bench.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv)")
     bench.add_argument("--device", default="cpu")
+
+    sb = sub.add_parser("bench-store", help="store latency/throughput and the load share of TTFT")
+    sb.add_argument("--out", required=True)
+    sb.add_argument("--redis", default=None, help="also measure this Redis URL (e.g. redis://127.0.0.1:6379/0)")
+    sb.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
     return parser
 
 
@@ -210,7 +215,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    from kvrag.eval.store_bench import run_store_bench, store_markdown
+
+    print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
+    return 0
+
+
 COMMANDS = {
+    "bench-store": cmd_bench_store,
     "ingest": cmd_ingest,
     "ask": cmd_ask,
     "quickstart": cmd_quickstart,
