@@ -24,13 +24,18 @@ class SpliceLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
         self.overwrite_at: torch.Tensor | None = None
+        self.mode = "overwrite"
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
         idx = self.overwrite_at
         if idx is not None and idx.numel():
             n = idx.numel()
-            self.keys.index_copy_(2, idx, key_states[:, :, :n].to(self.keys.dtype))
-            self.values.index_copy_(2, idx, value_states[:, :, :n].to(self.values.dtype))
+            new_k, new_v = key_states[:, :, :n].to(self.keys.dtype), value_states[:, :, :n].to(self.values.dtype)
+            if self.mode == "fusion":
+                new_k = fuse_by_cosine(new_k, self.keys.index_select(2, idx))
+                new_v = fuse_by_cosine(new_v, self.values.index_select(2, idx))
+            self.keys.index_copy_(2, idx, new_k)
+            self.values.index_copy_(2, idx, new_v)
             key_states, value_states = key_states[:, :, n:], value_states[:, :, n:]
         if key_states.shape[-2]:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -44,10 +49,22 @@ class SpliceCache(Cache):
     def __init__(self, kv: Sequence[KV]) -> None:
         super().__init__(layers=[SpliceLayer(k, v) for k, v in kv])
 
-    def overwrite(self, positions: torch.Tensor | None) -> None:
-        """The next forward's first len(positions) tokens overwrite these positions (None: append only)."""
+    def overwrite(self, slots: torch.Tensor | None, mode: str = "overwrite") -> None:
+        """The next forward's first len(slots) tokens write into these slots (None: append only).
+
+        mode "overwrite" replaces the old KV; "fusion" blends new and old by their cosine (SamKV eq. 4).
+        """
+        if mode not in ("overwrite", "fusion"):
+            raise ValueError(f"update mode must be 'overwrite' or 'fusion', got {mode!r}")
         for layer in self.layers:
-            layer.overwrite_at = positions
+            layer.overwrite_at = slots
+            layer.mode = mode
+
+
+def fuse_by_cosine(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """theta * new + (1 - theta) * old with theta = cos(new, old) per head and token (SamKV eq. 4)."""
+    theta = torch.nn.functional.cosine_similarity(new.float(), old.float(), dim=-1).unsqueeze(-1)
+    return (theta * new.float() + (1 - theta) * old.float()).to(new.dtype)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -56,6 +73,15 @@ class SpliceCache(Cache):
 def prefix_cache(kv: Sequence[KV]) -> DynamicCache:
     """A plain DynamicCache holding copies of `kv` (the stored tensors are never written through)."""
     return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in kv])
+
+
+def cache_from_kv(kv: Sequence[KV]) -> DynamicCache:
+    """A DynamicCache over these tensors as they are (no copy)."""
+    return DynamicCache(ddp_cache_data=list(kv))
+
+
+def cache_nbytes(cache: Cache) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in cache_kv(cache))
 
 
 def empty_cache() -> DynamicCache:

@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-new-tokens", type=int, default=64)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--json", action="store_true", help="print answer and stats as one JSON object")
+    ask.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. update=fusion")
+    ask.add_argument("--evict-budget", type=int, default=None, help="SnapKV: chunk tokens kept per layer/head after the first token")
 
     qs = sub.add_parser("quickstart", help="ingest the sample corpus and compare Full Attention with KV reuse")
     _common(qs)
@@ -131,7 +133,11 @@ def _retrieve(index, question: str, k: int):
 
 def cmd_ask(args: argparse.Namespace) -> int:
     rag, index = _open(args)
+    from kvrag.evict import SnapKV
+    from kvrag.eval.runner import parse_method
+
     chunks = _retrieve(index, args.question, args.top_k)
+    _, params = parse_method("m:" + ",".join(args.param))
     stream = rag.stream(
         args.question,
         chunks=chunks,
@@ -139,6 +145,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         recompute_ratio=args.recompute_ratio,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
+        evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
+        **dict(params),
     )
     if args.json:
         ans = stream.answer()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -11,12 +12,15 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from kvrag.cache_backends import KVEntry, KVStore, content_key, open_store
+from kvrag.cache import cache_kv, cache_nbytes
 from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError, EmptyRetrievalError
 from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
 from kvrag.layout import PromptLayout, Segments
 from kvrag.methods import Method, SelectContext, get_method, token_budget
-from kvrag.model import LoadedModel, kvrag_home, load_model
+from kvrag.evict import SnapKV
+from kvrag.model import LoadedModel, decoder_of, kvrag_home, load_model
+from kvrag.probe import ProbeResult, capture_queries
 from kvrag.precompute import KVComputer, LayerStack
 from kvrag.rope import Rotary
 from kvrag.similarity import neighbours_by_embedding, neighbours_from_index
@@ -49,6 +53,7 @@ class Prefill:
     stats: AnswerStats
     chunks: list[Chunk] = field(default_factory=list)
     stitched: Stitched | None = None
+    window: ProbeResult | None = None  # the question's queries, captured when eviction is asked for
 
     @property
     def logits(self) -> torch.Tensor:
@@ -317,9 +322,14 @@ class KVRag:
         method: str | Method = "reuse",
         recompute_ratio: float = 0.15,
         kv_kind: str = KIND_CHUNK,
+        evict: SnapKV | None = None,
         **method_params: Any,
     ) -> Prefill:
-        """Everything up to the first token's logits: load, stitch, select, recompute."""
+        """Everything up to the first token's logits: load, stitch, select, recompute.
+
+        With `evict`, the question's queries are captured during the pass so the cache can be
+        evicted after the first token (in `decode`).
+        """
         t0 = time.perf_counter()
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
@@ -334,25 +344,38 @@ class KVRag:
         prefix = self.prefix_kv()
 
         if meth.full_attention:
-            out = full_prefill(self.lm, prefix, segments)
+            with self._window(evict, segments) as window:
+                out = full_prefill(self.lm, prefix, segments)
+            if window is not None:
+                window.key_positions = torch.arange(segments.total_len)
             stats.recomputed_tokens = stats.context_tokens
             stats.chunk_prefill_tokens = stats.context_tokens
             stats.prefill_s = time.perf_counter() - t0
             stats.ttft_s = stats.prefill_s
-            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks)
+            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks, window=window)
 
         stacks = self._load_chunks(resolved, stats, kv_kind)
         t1 = time.perf_counter()
         stitched = stitch(prefix, stacks, segments, self.rotary)
         t2 = time.perf_counter()
-        selected = meth.select(SelectContext(self.lm, self.rotary, stitched), token_budget(recompute_ratio, stats.context_tokens))
+        ctx = SelectContext(self.lm, self.rotary, stitched)
+        kept = meth.keep(ctx)
+        if kept is not None:  # a sparsifying method: the cache handed to decoding holds only these
+            stitched = stitched.keep(kept)
+            ctx = SelectContext(self.lm, self.rotary, stitched)
+        n_chunk = int(stitched.chunk_positions().numel())
+        stats.kept_kv_ratio = n_chunk / max(1, stats.context_tokens)
+        selected = meth.select(ctx, token_budget(recompute_ratio, n_chunk))
         t3 = time.perf_counter()
-        out = recompute(self.lm, stitched, selected)
+        with self._window(evict, segments) as window:
+            out = recompute(self.lm, stitched, selected, update=meth.update)
+        if window is not None:
+            window.key_positions = torch.cat([stitched.positions, torch.arange(segments.context_len, segments.total_len)])
         t4 = time.perf_counter()
         stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
         stats.recomputed_tokens = int(selected.numel())
         stats.ttft_s = t4 - t0
-        return Prefill(out, segments, selected, stats, resolved.chunks, stitched)
+        return Prefill(out, segments, selected, stats, resolved.chunks, stitched, window)
 
     def _load_chunks(self, resolved: _Resolved, stats: AnswerStats, kind: str = KIND_CHUNK) -> list[LayerStack]:
         """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept)."""
@@ -388,6 +411,20 @@ class KVRag:
             stats.chunk_prefill_tokens = sum(len(resolved.token_ids[i]) for i in misses)
         return stacks  # type: ignore[return-value]
 
+    @contextmanager
+    def _window(self, evict: SnapKV | None, segments: Segments) -> Iterator[ProbeResult | None]:
+        """Capture the observation window's queries at every layer during a prefill pass."""
+        if evict is None:
+            yield None
+            return
+        n_q = len(segments.question)
+        w = min(n_q, evict.window or n_q)
+        positions = torch.arange(segments.total_len - w, segments.total_len)
+        result = ProbeResult(positions=positions, key_positions=torch.empty(0, dtype=torch.long))
+        layers = range(len(decoder_of(self.lm.model).layers))
+        with capture_queries(self.lm, self.rotary, layers, result, rows=slice(-w, None)):
+            yield result
+
     def _check_length(self, segments: Segments, reserve: int = 0) -> None:
         limit = self.lm.max_context
         if segments.total_len + reserve > limit:
@@ -405,6 +442,7 @@ class KVRag:
         method: str | Method = "reuse",
         recompute_ratio: float = 0.15,
         kv_kind: str = KIND_CHUNK,
+        evict: SnapKV | None = None,
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -414,9 +452,16 @@ class KVRag:
     ) -> AnswerStream:
         """Like `answer`, but returns an iterator of text pieces (stats complete at the end)."""
         pre = self.prefill(
-            question, chunk_ids, chunks=chunks, method=method, recompute_ratio=recompute_ratio, kv_kind=kv_kind, **method_params
+            question,
+            chunk_ids,
+            chunks=chunks,
+            method=method,
+            recompute_ratio=recompute_ratio,
+            kv_kind=kv_kind,
+            evict=evict,
+            **method_params,
         )
-        return self.decode(pre, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+        return self.decode(pre, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed, evict=evict)
 
     def decode(
         self,
@@ -426,9 +471,24 @@ class KVRag:
         top_p: float = 1.0,
         stop: Sequence[str] | str | None = None,
         seed: int | None = None,
+        evict: SnapKV | None = None,
     ) -> AnswerStream:
-        """Decode from a prefill (what `stream` does after `prefill`); the benchmark calls the two apart."""
+        """Decode from a prefill (what `stream` does after `prefill`); the benchmark calls the two apart.
+
+        `evict` (SnapKV) bounds the cache after the first token: the first token comes from the
+        prefill's logits, every later one attends to the evicted cache.
+        """
         cfg = DecodeConfig(max_new_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop or ()), seed)
+        if evict is not None:
+            if pre.window is None:
+                raise ValueError("pass the same evict= to prefill() so the question's queries are captured")
+            seg = pre.segments
+            protected = (pre.window.key_positions < len(seg.prefix)) | (pre.window.key_positions >= seg.context_len)
+            pre.output.cache = evict.apply(
+                pre.output.cache, pre.window.queries, pre.window.scaling, pre.window.positions, pre.window.key_positions, protected
+            )
+            kept_chunk = cache_kv(pre.output.cache)[0][0].shape[2] - int(protected.sum())
+            pre.stats.kept_kv_ratio = min(pre.stats.kept_kv_ratio, kept_chunk / max(1, pre.stats.context_tokens))
         ids = [c.id for c in pre.chunks]
         return AnswerStream(self._decode(pre, cfg), pre.stats, ids)
 
@@ -436,6 +496,7 @@ class KVRag:
         state = DecodeState()
         t = time.perf_counter()
         yield from stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context)
+        pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
         pre.stats.decode_s = time.perf_counter() - t
         pre.stats.generated_tokens = len(state.token_ids)
 

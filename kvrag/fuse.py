@@ -1,14 +1,17 @@
 """Stitching stored KV and the one recompute pass that every method shares.
 
 Recompute pass: the selected chunk tokens plus the question run in a single forward at their
-true positions over the stitched cache, with a causal mask by position; each layer overwrites the
-selected positions before attending, so later layers see the corrected KV. With every chunk token
-selected this is exactly Full Attention; with none it is Full Reuse (question prefill only).
+true positions over the stitched cache, with a causal mask by position; each layer overwrites (or
+blends into) the selected slots before attending, so later layers see the corrected KV. With every
+chunk token selected this is exactly Full Attention; with none it is Full Reuse (question prefill).
+
+The stitched context may be sparse (SamKV keeps a subset of slots): each slot carries its global
+position, the mask compares positions, and keys keep the rotation of their true position.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -24,18 +27,43 @@ from kvrag.rope import Rotary
 class Stitched:
     """The reused context: per-layer stacked KV over prefix + chunks, keys at global positions."""
 
-    keys: torch.Tensor  # [layers, kv_heads, context_len, head_dim]
+    keys: torch.Tensor  # [layers, kv_heads, slots, head_dim]
     values: torch.Tensor
     segments: Segments
+    positions: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [slots] global position of each slot
+
+    def __post_init__(self) -> None:
+        if self.positions is None:
+            self.positions = torch.arange(self.keys.shape[2])
 
     @property
     def chunk_spans(self) -> list[tuple[int, int]]:
+        """[start, end) global positions of each chunk."""
         return [(s, s + len(c)) for s, c in zip(self.segments.chunk_starts, self.segments.chunks)]
 
     def chunk_positions(self) -> torch.Tensor:
-        """All positions that belong to chunks (the only ones a method may select)."""
-        s = len(self.segments.prefix)
-        return torch.arange(s, self.segments.context_len)
+        """Positions held here that belong to chunks (the only ones a method may select)."""
+        p = self.positions
+        return p[(p >= len(self.segments.prefix)) & (p < self.segments.context_len)]
+
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Slot index of each given global position (which must be held here)."""
+        pos = positions.to(self.positions.device)
+        slots = torch.searchsorted(self.positions, pos)
+        if slots.numel() and (slots.max() >= self.positions.numel() or not torch.equal(self.positions[slots], pos)):
+            raise ValueError("selected positions are not held in the stitched context")
+        return slots
+
+    def keep(self, positions: torch.Tensor) -> "Stitched":
+        """A sparser context with only these global positions (sorted; the prefix is always kept)."""
+        prefix = torch.arange(len(self.segments.prefix))
+        pos = torch.cat([prefix, positions.to(torch.long).cpu()]).unique(sorted=True)
+        slots = self.slots_of(pos).to(self.keys.device)
+        return Stitched(self.keys[:, :, slots], self.values[:, :, slots], self.segments, pos)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
 def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments, rotary: Rotary) -> Stitched:
@@ -55,10 +83,14 @@ def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments,
     return Stitched(keys, values, segments)
 
 
-def causal_mask_by_position(query_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, q, kv] mask: query at position p sees keys at positions <= p."""
-    keys = torch.arange(kv_len, device=query_pos.device)
-    allowed = keys[None, :] <= query_pos[:, None]
+def causal_mask_by_position(query_pos: torch.Tensor, key_pos: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, q, kv] mask: a query at position p sees keys at positions <= p.
+
+    `key_pos` is each key slot's position, or an int n for slots holding positions 0..n-1.
+    """
+    if isinstance(key_pos, int):
+        key_pos = torch.arange(key_pos, device=query_pos.device)
+    allowed = key_pos.to(query_pos.device)[None, :] <= query_pos[:, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=query_pos.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
@@ -71,30 +103,38 @@ class PrefillOutput:
     next_position: int
 
 
-@torch.no_grad()
-def recompute(lm: LoadedModel, stitched: Stitched, selected: torch.Tensor) -> PrefillOutput:
-    """The shared recompute pass over `selected` chunk positions plus the question."""
+def pass_inputs(stitched: Stitched, selected: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input ids, positions, and key positions for a pass over `selected` chunk positions + the question."""
     seg = stitched.segments
+    q_pos = torch.arange(seg.context_len, seg.total_len, device=device)
+    positions = torch.cat([selected.to(device), q_pos])
+    input_ids = torch.tensor(seg.all_ids(), device=device)[positions][None]
+    key_pos = torch.cat([stitched.positions.to(device), q_pos])
+    return input_ids, positions, key_pos
+
+
+@torch.no_grad()
+def recompute(lm: LoadedModel, stitched: Stitched, selected: torch.Tensor, update: str = "overwrite") -> PrefillOutput:
+    """The shared recompute pass over `selected` chunk positions plus the question.
+
+    `update="fusion"` blends the recomputed KV into the reused KV (SamKV eq. 4) instead of
+    overwriting it.
+    """
     device = lm.device
     selected = selected.to(device=device, dtype=torch.long).sort().values
-    ctx_len = seg.context_len
-    all_ids = torch.tensor(seg.all_ids(), device=device)
-    q_pos = torch.arange(ctx_len, seg.total_len, device=device)
-    positions = torch.cat([selected, q_pos])
-    input_ids = all_ids[positions][None]
+    input_ids, positions, key_pos = pass_inputs(stitched, selected, device)
     cache = SpliceCache(unstack_layers(stitched.keys, stitched.values))
-    cache.overwrite(selected if selected.numel() else None)
-    mask = causal_mask_by_position(positions, seg.total_len, lm.dtype)
+    cache.overwrite(stitched.slots_of(selected).to(device) if selected.numel() else None, mode=update)
     out = lm.model(
         input_ids=input_ids,
         position_ids=positions[None],
-        attention_mask=mask,
+        attention_mask=causal_mask_by_position(positions, key_pos, lm.dtype),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     )
     cache.overwrite(None)
-    return PrefillOutput(out.logits[0, -1].float(), cache, seg.total_len)
+    return PrefillOutput(out.logits[0, -1].float(), cache, stitched.segments.total_len)
 
 
 @torch.no_grad()

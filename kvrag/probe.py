@@ -9,13 +9,14 @@ and stitched tensors are never written.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from kvrag.cache import SpliceCache
-from kvrag.fuse import Stitched, causal_mask_by_position
+from kvrag.fuse import Stitched, causal_mask_by_position, pass_inputs
 from kvrag.model import LoadedModel, decoder_of
 from kvrag.precompute import unstack_layers
 from kvrag.rope import Rotary
@@ -28,8 +29,9 @@ class _StopProbe(Exception):
 @dataclass
 class ProbeResult:
     positions: torch.Tensor  # [n] positions of the probed tokens (overwritten chunk tokens first, then the question)
+    key_positions: torch.Tensor  # [slots] position of every key slot (context slots, then the question)
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, n, head_dim], rotated
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, total, head_dim]
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, slots, head_dim]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
 
@@ -52,6 +54,51 @@ def _queries(attn: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin
     return rotary._apply(q, q, cos, sin)[0]
 
 
+@contextmanager
+def capture_queries(
+    lm: LoadedModel, rotary: Rotary, layers: Iterable[int], into: ProbeResult, rows: slice | None = None, cache: Any = None, stop_after: int | None = None
+) -> Iterator[ProbeResult]:
+    """Hooks that record each layer's rotated queries (optionally only `rows` of them), the layer's
+    full keys/values from `cache` after its update, and stop the forward after layer `stop_after`."""
+    layers_mod = decoder_of(lm.model).layers
+    hooks = []
+
+    def make_pre(i: int):
+        def pre(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if rows is not None:
+                hidden = hidden[:, rows]
+            cos, sin = kwargs["position_embeddings"]
+            if rows is not None:
+                cos, sin = cos[:, rows], sin[:, rows]
+            into.queries[i] = _queries(module, hidden, cos, sin, rotary)[0]
+            into.scaling[i] = float(getattr(module, "scaling", hidden.shape[-1] ** -0.5))
+
+        return pre
+
+    def make_post(i: int):
+        def post(module, args, output):
+            if cache is not None:
+                layer = cache.layers[i]
+                into.keys[i], into.values[i] = layer.keys[0], layer.values[0]
+            if i == stop_after:
+                raise _StopProbe
+
+        return post
+
+    for i in layers:
+        attn = layers_mod[i].self_attn
+        hooks.append(attn.register_forward_pre_hook(make_pre(i), with_kwargs=True))
+        hooks.append(attn.register_forward_hook(make_post(i)))
+    try:
+        yield into
+    except _StopProbe:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def probe(
     lm: LoadedModel,
@@ -61,58 +108,26 @@ def probe(
     recompute: torch.Tensor | None = None,
 ) -> ProbeResult:
     """Run `recompute` chunk positions (overwriting) plus the question through layers 0..max(layers)."""
-    seg = stitched.segments
     want = sorted({resolve_layer(lm, l) for l in layers})
     last = want[-1]
     device = lm.device
     over = (recompute if recompute is not None else torch.empty(0, dtype=torch.long)).to(device).sort().values
-    positions = torch.cat([over, torch.arange(seg.context_len, seg.total_len, device=device)])
-    ids = torch.tensor(seg.all_ids(), device=device)[positions][None]
+    ids, positions, key_pos = pass_inputs(stitched, over, device)
     # scratch copies only of the layers the probe reaches; deeper layers are never touched
     kv = unstack_layers(stitched.keys, stitched.values)
     kv = [(k.clone(), v.clone()) if i <= last else (k, v) for i, (k, v) in enumerate(kv)]
     cache = SpliceCache(kv)
-    cache.overwrite(over if over.numel() else None)
-    result = ProbeResult(positions=positions)
-    layers_mod = decoder_of(lm.model).layers
-    hooks = []
-
-    def make_pre(i: int):
-        def pre(module, args, kwargs):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            result.queries[i] = _queries(module, hidden, cos, sin, rotary)[0]
-            result.scaling[i] = float(getattr(module, "scaling", hidden.shape[-1] ** -0.5))
-
-        return pre
-
-    def make_post(i: int):
-        def post(module, args, output):
-            layer = cache.layers[i]
-            result.keys[i], result.values[i] = layer.keys[0], layer.values[0]
-            if i == last:
-                raise _StopProbe
-
-        return post
-
-    for i in want:
-        attn = layers_mod[i].self_attn
-        hooks.append(attn.register_forward_pre_hook(make_pre(i), with_kwargs=True))
-        hooks.append(attn.register_forward_hook(make_post(i)))
-    try:
+    cache.overwrite(stitched.slots_of(over).to(device) if over.numel() else None)
+    result = ProbeResult(positions=positions, key_positions=key_pos)
+    with capture_queries(lm, rotary, want, result, cache=cache, stop_after=last):
         lm.model(
             input_ids=ids,
             position_ids=positions[None],
-            attention_mask=causal_mask_by_position(positions, seg.total_len, lm.dtype),
+            attention_mask=causal_mask_by_position(positions, key_pos, lm.dtype),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-    except _StopProbe:
-        pass
-    finally:
-        for h in hooks:
-            h.remove()
     return result
 
 
@@ -128,5 +143,5 @@ def attention_probs(result: ProbeResult, layer: int, query_rows: slice | None = 
     groups = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(groups, dim=0)
     scores = torch.einsum("hnd,htd->hnt", q, k) * result.scaling[layer]
-    mask = causal_mask_by_position(pos.to(q.device), k.shape[1], torch.float32)[0, 0]
+    mask = causal_mask_by_position(pos.to(q.device), result.key_positions, torch.float32)[0, 0]
     return torch.softmax(scores + mask, dim=-1)

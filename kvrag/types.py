@@ -38,6 +38,7 @@ class AnswerStats:
     bytes_loaded: int = 0
     generated_tokens: int = 0
     kept_kv_ratio: float = 1.0
+    kv_bytes: int = 0  # KV held by the decoding cache at its largest (end of decoding)
     path: str = ""
 
     @property
@@ -56,7 +57,7 @@ class AnswerStats:
             f"method={self.method} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} "
             f"recomputed={self.recomputed_tokens} chunk_prefill={self.chunk_prefill_tokens} "
             f"hits={self.cache_hits} misses={self.cache_misses} loaded={self.bytes_loaded / 1e6:.1f}MB "
-            f"kept={self.kept_kv_ratio:.2f} decode={self.decode_tokens_per_s:.1f}tok/s"
+            f"kept={self.kept_kv_ratio:.2f} kv={self.kv_bytes / 1e6:.1f}MB decode={self.decode_tokens_per_s:.1f}tok/s"
         )
 
 

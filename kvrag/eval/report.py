@@ -60,6 +60,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         span = full_score - reuse_score
         row["normalized"] = (row["contains"] - reuse_score) / span if abs(span) > 1e-9 else float("nan")
         row["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in rs)
+        row["kept_kv_ratio"] = sum(r.get("kept_kv_ratio", 1.0) for r in rs) / len(rs)
+        row["peak_kv_mb"] = max(r.get("kv_bytes", 0) for r in rs) / 1e6
         rows.append(row)
     return rows
 
@@ -70,16 +72,16 @@ def _mean(rs: list[dict[str, Any]], key: str) -> float:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| setting | n | recomputed | answer-contained | F1 | agreement w/ Full | first-token KL | normalised | "
-        "TTFT ms (median) | TTFT Full ÷ method |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| setting | n | recomputed | kept KV | answer-contained | F1 | agreement w/ Full | first-token KL | normalised | "
+        "TTFT ms (median) | TTFT Full ÷ method | peak KV MB |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lo, hi = r["agree_ci"]
         lines.append(
-            f"| {r['setting']} | {r['n']} | {r['recomputed_share']:.0%} | {r['contains']:.3f} | {r['f1']:.3f} | "
-            f"{r['agree']:.3f} [{lo:.2f}, {hi:.2f}] | {r['kl']:.3f} | {r['normalized']:.2f} | "
-            f"{r['ttft_s'] * 1000:.0f} | {r['ttft_ratio']:.1f}× |"
+            f"| {r['setting']} | {r['n']} | {r['recomputed_share']:.0%} | {r.get('kept_kv_ratio', 1.0):.0%} | "
+            f"{r['contains']:.3f} | {r['f1']:.3f} | {r['agree']:.3f} [{lo:.2f}, {hi:.2f}] | {r['kl']:.3f} | "
+            f"{r['normalized']:.2f} | {r['ttft_s'] * 1000:.0f} | {r['ttft_ratio']:.1f}× | {r.get('peak_kv_mb', 0):.1f} |"
         )
     return head + "\n".join(lines) + "\n"
 

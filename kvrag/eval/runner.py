@@ -27,6 +27,7 @@ class Setting:
     method: str
     ratio: float = 0.0
     kv_kind: str = KIND_CHUNK
+    params: tuple[tuple[str, Any], ...] = ()
 
     @property
     def name(self) -> str:
@@ -34,19 +35,44 @@ class Setting:
             base = self.method
         else:
             base = f"{self.method}@{self.ratio:g}"
+        if self.params:
+            base += "[" + ",".join(f"{k}={v}" for k, v in self.params) + "]"
         return base + ("+sim" if self.kv_kind == KIND_SIMILARITY else "")
 
 
+def parse_method(spec: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """'samkv:update=fusion,block_size=8' -> ('samkv', (('update', 'fusion'), ('block_size', 8)))."""
+    name, _, rest = spec.partition(":")
+    params = []
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        params.append((k.strip(), parse_value(v.strip())))
+    return name.strip(), tuple(params)
+
+
+def parse_value(v: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
 def make_settings(methods: Sequence[str], ratios: Sequence[float], similarity: bool = False) -> list[Setting]:
-    """Full and reuse once each (the two ends), every other method at every ratio (ratio 0 is reuse)."""
+    """Full and reuse once each (the two ends), every other method at every ratio (ratio 0 is reuse).
+
+    A method may carry parameters: `samkv:update=fusion`.
+    """
     out = [Setting("full"), Setting("reuse")]
-    for m in methods:
+    parsed = [parse_method(m) for m in methods]
+    for m, params in parsed:
         if m in ("full", "reuse"):
             continue
-        out += [Setting(m, r) for r in ratios if r > 0]
+        out += [Setting(m, r, params=params) for r in ratios if r > 0]
     if similarity:
         out += [Setting("reuse", 0.0, KIND_SIMILARITY)]
-        out += [Setting(m, r, KIND_SIMILARITY) for m in methods if m not in ("full", "reuse") for r in ratios if r > 0]
+        out += [Setting(m, r, KIND_SIMILARITY, p) for m, p in parsed if m not in ("full", "reuse") for r in ratios if r > 0]
     return out
 
 
@@ -108,6 +134,7 @@ def _record(ex: Example, st: Setting, pre: Prefill, text: str, full_text: str, f
         "decode_tok_s": s.decode_tokens_per_s,
         "bytes_loaded": s.bytes_loaded,
         "kept_kv_ratio": s.kept_kv_ratio,
+        "kv_bytes": s.kv_bytes,
     }
 
 
@@ -146,7 +173,9 @@ def run(
                 if st.method == "full":
                     pre, text = full, full_text
                 else:
-                    pre = rag.prefill(ex.question, ids, method=st.method, recompute_ratio=st.ratio, kv_kind=st.kv_kind)
+                    pre = rag.prefill(
+                        ex.question, ids, method=st.method, recompute_ratio=st.ratio, kv_kind=st.kv_kind, **dict(st.params)
+                    )
                     text = rag.decode(pre, max_new_tokens=max_new_tokens).answer().text
                 f.write(json.dumps(_record(ex, st, pre, text, full_text, full)) + "\n")
                 f.flush()

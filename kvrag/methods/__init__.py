@@ -9,6 +9,7 @@ from kvrag.methods.base import Method, ScoredMethod, SelectContext, token_budget
 from kvrag.methods.baselines import FullAttention, FullReuse
 from kvrag.methods.cacheblend import CacheBlend
 from kvrag.methods.epic import Epic
+from kvrag.methods.samkv import SamKV
 
 METHODS: dict[str, type[Method]] = {}
 
@@ -19,7 +20,7 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-for _cls in (FullAttention, FullReuse, CacheBlend, Epic, A3, FusionRAG):
+for _cls in (FullAttention, FullReuse, CacheBlend, Epic, A3, FusionRAG, SamKV):
     register(_cls)
 
 

@@ -27,7 +27,8 @@ class QuestionAttention(ScoredMethod):
         result = probe(ctx.lm, ctx.rotary, ctx.stitched, [layer])
         probs = attention_probs(result, layer)  # [heads, question tokens, total]
         per_token = probs.sum(dim=(0, 1))
-        return per_token[ctx.stitched.chunk_positions().to(per_token.device)]
+        slots = ctx.stitched.slots_of(ctx.stitched.chunk_positions())
+        return per_token[slots.to(per_token.device)]
 
 
 class A3(QuestionAttention):

@@ -30,6 +30,11 @@ class Method:
 
     name: ClassVar[str] = ""
     full_attention: ClassVar[bool] = False  # True only for the no-reuse baseline
+    update: str = "overwrite"  # how recomputed KV is written: "overwrite" or "fusion" (SamKV eq. 4)
+
+    def keep(self, ctx: SelectContext) -> torch.Tensor | None:
+        """Chunk positions to keep in the cache (a sparsifying method); None keeps everything."""
+        return None
 
     def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
         """Global positions (inside chunks) to recompute, exactly `budget` of them."""

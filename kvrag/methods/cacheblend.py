@@ -30,6 +30,6 @@ class CacheBlend(ScoredMethod):
         result = probe(ctx.lm, ctx.rotary, ctx.stitched, [layer], recompute=positions)
         fresh = result.values[layer] if self.deviation == "value" else result.keys[layer]
         reused = ctx.stitched.values[layer] if self.deviation == "value" else ctx.stitched.keys[layer]
-        idx = positions.to(fresh.device)
+        idx = ctx.stitched.slots_of(positions).to(fresh.device)
         diff = fresh[:, idx].float() - reused[:, idx].to(fresh.device).float()
         return diff.pow(2).sum(dim=(0, 2))

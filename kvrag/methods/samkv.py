@@ -1,0 +1,178 @@
+"""SamKV: sparsify the multi-context KV, then recompute a subset of what is kept.
+
+1. Personalised query vectors (eq. 1): the question is prefilled over only the initial and local
+   blocks of every chunk (the local blocks' own tokens recomputed alongside, for their queries);
+   the mean-pooled question query Q_que, plus the |cos|-weighted local queries of the *other*
+   chunks, gives each chunk its own query Q̂_i, per stable layer.
+2. Block selection (eq. 2-3): block-level keys (mean over a block's tokens); initial and local
+   blocks always kept; per stable layer, the anchor (initial+local) score against the best and
+   worst middle block gives P_i^(n); P_i is their mean; each chunk proposes its top P_i middle
+   blocks; scores are min-max normalised per chunk and the best (total middle blocks / chunks)
+   are kept across chunks.
+3. Recompute (eq. 4): the top kept chunk tokens by Q̂ score are recomputed over the sparse cache,
+   with `overwrite` or cosine `fusion` updates; the question is prefilled afresh over the result
+   in the same pass. Positions stay global, so the sparse cache decodes as is.
+
+Stable layers: the paper profiles the last 4-5 layers of Llama-3.1-8B, Mistral-7B and
+Qwen2.5-3B; for other models the default is the last max(1, layers // 8) layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvrag.methods.base import Method, SelectContext
+from kvrag.model import decoder_of
+from kvrag.probe import probe, resolve_layer
+
+
+def dynamic_top_p(s_anchor: float, s_max: float, s_min: float) -> float:
+    """SamKV eq. 2: the share of middle blocks above the anchor; 0 unless s_min < s_anchor <= s_max."""
+    if not (s_min < s_anchor <= s_max) or s_max <= s_min:
+        return 0.0
+    return (s_max - s_anchor) / (s_max - s_min)
+
+
+@dataclass
+class Blocks:
+    """Block layout of one chunk: global position ranges, which are anchors (initial/local)."""
+
+    ranges: list[tuple[int, int]]
+    anchor: list[bool]
+
+    @property
+    def middle(self) -> list[int]:
+        return [b for b, a in enumerate(self.anchor) if not a]
+
+    def positions(self, blocks: list[int]) -> list[int]:
+        return [p for b in blocks for p in range(*self.ranges[b])]
+
+
+def chunk_blocks(start: int, end: int, size: int, initial: int, local: int) -> Blocks:
+    ranges = [(s, min(s + size, end)) for s in range(start, end, size)]
+    n = len(ranges)
+    anchor = [b < initial or b >= n - local for b in range(n)]
+    return Blocks(ranges, anchor)
+
+
+class SamKV(Method):
+    """SamKV: keep ~15% of the chunk KV (anchor blocks + dynamic top-P blocks), recompute a subset."""
+
+    name = "samkv"
+
+    def __init__(
+        self,
+        block_size: int | str = "auto",
+        initial_blocks: int = 1,
+        local_blocks: int = 2,
+        stable_layers: list[int] | None = None,
+        update: str = "overwrite",
+        sparsify: bool = True,
+    ) -> None:
+        if update not in ("overwrite", "fusion"):
+            raise ValueError("update must be 'overwrite' or 'fusion'")
+        self.block_size = block_size
+        self.initial_blocks = initial_blocks
+        self.local_blocks = local_blocks
+        self.stable_layers = stable_layers
+        self.update = update
+        self.sparsify = sparsify
+        self._token_scores = torch.zeros(0)
+
+    # -- configuration ----------------------------------------------------------------------------
+    def resolved_block_size(self, chunk_lengths: list[int]) -> int:
+        """Paper default 64 for long contexts; for short chunks a size that leaves room for a middle."""
+        if self.block_size != "auto":
+            return max(1, int(self.block_size))
+        mean = sum(chunk_lengths) / max(1, len(chunk_lengths))
+        return 64 if mean >= 32 * 64 else max(2, int(mean // 32))
+
+    def resolved_layers(self, ctx: SelectContext) -> list[int]:
+        n = len(decoder_of(ctx.lm.model).layers)
+        if self.stable_layers is not None:
+            return sorted({resolve_layer(ctx.lm, l) for l in self.stable_layers})
+        return list(range(n - max(1, n // 8), n))
+
+    # -- the method -------------------------------------------------------------------------------
+    def keep(self, ctx: SelectContext) -> torch.Tensor | None:
+        st = ctx.stitched
+        spans = st.chunk_spans
+        size = self.resolved_block_size([e - s for s, e in spans])
+        blocks = [chunk_blocks(s, e, size, self.initial_blocks, self.local_blocks) for s, e in spans]
+        anchors = torch.tensor([p for b in blocks for p in b.positions([i for i, a in enumerate(b.anchor) if a])], dtype=torch.long)
+        local = torch.tensor(
+            [p for b in blocks for p in b.positions([i for i, a in enumerate(b.anchor) if a and i >= self.initial_blocks])],
+            dtype=torch.long,
+        )
+        layers = self.resolved_layers(ctx)
+        # 1. personalised queries from a question prefill over the anchor blocks only
+        compressed = st.keep(anchors)
+        res = probe(ctx.lm, ctx.rotary, compressed, layers, recompute=local)
+        n_local = local.numel()
+        q_hat: dict[int, list[torch.Tensor]] = {}
+        for n in layers:
+            q = res.queries[n].float()  # [heads, local + question, d]
+            q_que = q[:, n_local:].mean(dim=1)  # [heads, d]
+            q_loc = []
+            for b in blocks:
+                mine = torch.isin(local, torch.tensor(b.positions(list(range(len(b.ranges))))))
+                q_loc.append(q[:, :n_local][:, mine].mean(dim=1) if mine.any() else torch.zeros_like(q_que))
+            weights = [abs(float(torch.nn.functional.cosine_similarity(q_que.reshape(-1), ql.reshape(-1), dim=0))) for ql in q_loc]
+            d = len(blocks)
+            q_hat[n] = [
+                q_que + sum(w * ql for j, (w, ql) in enumerate(zip(weights, q_loc)) if j != i) / max(1, d - 1) for i in range(d)
+            ]
+        # 2. block scores, eq. 2-3, and token scores for the recompute step
+        self._token_scores = torch.full((st.segments.context_len,), float("-inf"))
+        proposals: list[tuple[float, int, int]] = []  # (normalised score, chunk, block)
+        total_middle = 0
+        for i, b in enumerate(blocks):
+            mid = b.middle
+            total_middle += len(mid)
+            block_scores = torch.zeros(len(b.ranges))
+            p_layers = []
+            for n in layers:
+                keys = st.keys[n].float()  # [kv_heads, slots, d]
+                qh = q_hat[n][i]  # [heads, d]
+                group = qh.shape[0] // keys.shape[0]
+                base, end = b.ranges[0][0], b.ranges[-1][1]
+                slots = st.slots_of(torch.arange(base, end))
+                k_tok = keys[:, slots].repeat_interleave(group, dim=0)  # [heads, tokens, d]
+                tok = torch.einsum("hd,htd->t", qh, k_tok) / (qh.shape[0] * math.sqrt(qh.shape[-1]))
+                scores = torch.stack([tok[s - base : e - base].mean() for s, e in b.ranges])  # score of the mean key
+                block_scores += scores / len(layers)
+                span = self._token_scores[base:end]
+                self._token_scores[base:end] = torch.where(span.isinf(), 0.0, span) + tok / len(layers)
+                if mid:
+                    anchor_score = float(tok[[p - base for p in b.positions([k for k, a in enumerate(b.anchor) if a])]].mean())
+                    p_layers.append(dynamic_top_p(anchor_score, float(scores[mid].max()), float(scores[mid].min())))
+            if not mid:
+                continue
+            p_i = sum(p_layers) / len(p_layers)
+            k = math.ceil(p_i * len(mid))
+            ms = block_scores[mid]
+            lo, hi = float(ms.min()), float(ms.max())
+            order = sorted(mid, key=lambda blk: -float(block_scores[blk]))[:k]
+            for blk in order:
+                norm = (float(block_scores[blk]) - lo) / (hi - lo) if hi > lo else 1.0
+                proposals.append((norm, i, blk))
+        if not self.sparsify:
+            return None
+        # cross-chunk filtering: the best (total middle blocks / chunks) of all proposals
+        limit = total_middle // max(1, len(blocks))
+        chosen = sorted(proposals, key=lambda x: -x[0])[:limit]
+        kept = anchors.tolist() + [p for _, i, blk in chosen for p in blocks[i].positions([blk])]
+        return torch.tensor(sorted(set(kept)), dtype=torch.long)
+
+    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
+        """Recompute the kept chunk tokens with the highest personalised-query scores."""
+        kept = ctx.stitched.chunk_positions()
+        if budget <= 0:
+            return torch.empty(0, dtype=torch.long)
+        if budget >= kept.numel():
+            return kept
+        scores = self._token_scores[kept] if self._token_scores.numel() else torch.zeros(kept.numel())
+        return kept[torch.topk(scores, budget).indices].sort().values
