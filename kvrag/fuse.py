@@ -113,6 +113,18 @@ def pass_inputs(stitched: Stitched, selected: torch.Tensor, device: torch.device
     return input_ids, positions, key_pos
 
 
+def forward_pass(lm: LoadedModel, cache: SpliceCache, input_ids: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tensor):
+    """One forward of tokens at `positions` over `cache` whose slots sit at `key_pos`, causal by position."""
+    return lm.model(
+        input_ids=input_ids,
+        position_ids=positions[None],
+        attention_mask=causal_mask_by_position(positions, key_pos, lm.dtype),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+
+
 @torch.no_grad()
 def recompute(lm: LoadedModel, stitched: Stitched, selected: torch.Tensor, update: str = "overwrite") -> PrefillOutput:
     """The shared recompute pass over `selected` chunk positions plus the question.
@@ -125,14 +137,7 @@ def recompute(lm: LoadedModel, stitched: Stitched, selected: torch.Tensor, updat
     input_ids, positions, key_pos = pass_inputs(stitched, selected, device)
     cache = SpliceCache(unstack_layers(stitched.keys, stitched.values))
     cache.overwrite(stitched.slots_of(selected).to(device) if selected.numel() else None, mode=update)
-    out = lm.model(
-        input_ids=input_ids,
-        position_ids=positions[None],
-        attention_mask=causal_mask_by_position(positions, key_pos, lm.dtype),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = forward_pass(lm, cache, input_ids, positions, key_pos)
     cache.overwrite(None)
     return PrefillOutput(out.logits[0, -1].float(), cache, stitched.segments.total_len)
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from kvrag.cache import SpliceCache
-from kvrag.fuse import Stitched, causal_mask_by_position, pass_inputs
+from kvrag.fuse import Stitched, causal_mask_by_position, forward_pass, pass_inputs
 from kvrag.model import LoadedModel, decoder_of
 from kvrag.precompute import unstack_layers
 from kvrag.rope import Rotary
@@ -120,14 +120,7 @@ def probe(
     cache.overwrite(stitched.slots_of(over).to(device) if over.numel() else None)
     result = ProbeResult(positions=positions, key_positions=key_pos)
     with capture_queries(lm, rotary, want, result, cache=cache, stop_after=last):
-        lm.model(
-            input_ids=ids,
-            position_ids=positions[None],
-            attention_mask=causal_mask_by_position(positions, key_pos, lm.dtype),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        forward_pass(lm, cache, ids, positions, key_pos)
     return result
 
 

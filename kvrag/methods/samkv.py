@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.methods.base import Method, SelectContext
+from kvrag.methods.base import ScoredMethod, SelectContext
 from kvrag.model import decoder_of
 from kvrag.probe import probe, resolve_layer
 
@@ -58,7 +58,7 @@ def chunk_blocks(start: int, end: int, size: int, initial: int, local: int) -> B
     return Blocks(ranges, anchor)
 
 
-class SamKV(Method):
+class SamKV(ScoredMethod):
     """SamKV: keep ~15% of the chunk KV (anchor blocks + dynamic top-P blocks), recompute a subset."""
 
     name = "samkv"
@@ -167,12 +167,7 @@ class SamKV(Method):
         kept = anchors.tolist() + [p for _, i, blk in chosen for p in blocks[i].positions([blk])]
         return torch.tensor(sorted(set(kept)), dtype=torch.long)
 
-    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
-        """Recompute the kept chunk tokens with the highest personalised-query scores."""
+    def scores(self, ctx: SelectContext) -> torch.Tensor:
+        """Recompute the kept chunk tokens with the highest personalised-query scores (set by `keep`)."""
         kept = ctx.stitched.chunk_positions()
-        if budget <= 0:
-            return torch.empty(0, dtype=torch.long)
-        if budget >= kept.numel():
-            return kept
-        scores = self._token_scores[kept] if self._token_scores.numel() else torch.zeros(kept.numel())
-        return kept[torch.topk(scores, budget).indices].sort().values
+        return self._token_scores[kept] if self._token_scores.numel() else torch.zeros(kept.numel())
