@@ -277,10 +277,12 @@ class KVRag:
             res.keys.append(self._key(kind, ids))
         return res
 
-    def _lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None) -> _Resolved:
+    def _lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None, allow_empty: bool = False) -> _Resolved:
         """Chunks given with text, or ids known here, or ids the store's node index can resolve."""
         if chunks:
             return self._resolve(self.register(chunks))
+        if not chunk_ids and allow_empty:
+            return _Resolved(chunks=[])
         if not chunk_ids:
             raise EmptyRetrievalError("no chunks to answer from: pass chunk_ids=[...] or chunks=[...] (retrieval returned nothing?)")
         unknown = [i for i in dict.fromkeys(chunk_ids) if i not in self._chunks]
@@ -323,6 +325,7 @@ class KVRag:
         recompute_ratio: float = 0.15,
         kv_kind: str = KIND_CHUNK,
         evict: SnapKV | None = None,
+        allow_empty: bool = False,
         **method_params: Any,
     ) -> Prefill:
         """Everything up to the first token's logits: load, stitch, select, recompute.
@@ -335,7 +338,7 @@ class KVRag:
             raise ValueError("question must be a non-empty string")
         meth = get_method(method, **method_params)
         stats = AnswerStats(method=meth.name)
-        resolved = self._lookup(chunk_ids, chunks)
+        resolved = self._lookup(chunk_ids, chunks, allow_empty)
         segments = self.layout.segments(resolved.token_ids, question)
         self._check_length(segments)
         stats.prompt_tokens = segments.total_len
@@ -499,6 +502,43 @@ class KVRag:
         pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
         pre.stats.decode_s = time.perf_counter() - t
         pre.stats.generated_tokens = len(state.token_ids)
+
+    def match_prompt(self, prompt: str) -> tuple[list[Chunk], str]:
+        """Known chunks whose text appears verbatim in `prompt` (in prompt order) and the text after the last.
+
+        This is how a drop-in LLM reuses cached chunks inside a prompt a framework built itself.
+        """
+        found: list[tuple[int, int, Chunk]] = []
+        for chunk in self._chunks.values():
+            if chunk.text and (at := prompt.find(chunk.text)) >= 0:
+                found.append((at, at + len(chunk.text), chunk))
+        found.sort(key=lambda f: (f[0], -f[1]))
+        picked: list[tuple[int, int, Chunk]] = []
+        for start, end, chunk in found:
+            if not picked or start >= picked[-1][1]:  # no overlaps: a chunk inside another is skipped
+                picked.append((start, end, chunk))
+        rest = prompt[picked[-1][1] :].strip() if picked else prompt
+        return [c for _, _, c in picked], rest
+
+    def complete(self, prompt: str, method: str | Method = "reuse", **kwargs: Any) -> AnswerStream:
+        """Answer a ready-made prompt (what a framework's LLM call receives).
+
+        Known chunks found verbatim in it are reused (`stats.path == "prompt-match"`), the text after
+        the last one is the question; the text around them that belongs to no chunk is dropped.
+        With no known chunk, the whole prompt is read as the question (`stats.path == "plain"`).
+        """
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("prompt must be a non-empty string")
+        decode_keys = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "evict")
+        dec = {k: kwargs.pop(k) for k in decode_keys if k in kwargs}
+        chunks, question = self.match_prompt(prompt)
+        if not chunks:
+            pre = self.prefill(prompt, method="full", allow_empty=True, evict=dec.get("evict"))
+            pre.stats.path = "plain"
+        else:
+            pre = self.prefill(question or prompt, chunks=chunks, method=method, evict=dec.get("evict"), **kwargs)
+            pre.stats.path = "prompt-match"
+        return self.decode(pre, **dec)
 
     def answer(self, question: str, chunk_ids: Sequence[str] | None = None, **kwargs: Any) -> Answer:
         """Answer `question` from the given chunks; `.stats` tells what it cost and which path it took."""

@@ -1,0 +1,1 @@
+"""Framework integrations: `kvrag.integrations.llama_index` and `kvrag.integrations.langchain`."""

@@ -1,0 +1,123 @@
+"""`KVRagLLM`: a LlamaIndex LLM that answers from cached chunk KV.
+
+Two paths, named in `last_stats.path`:
+- "postprocessor": `KVCacheNodePostprocessor` handed over this query's nodes, so the LLM answers the
+  query from the nodes' cached KV and ignores the text the response synthesizer pasted together;
+- "prompt-match": no hand-over; chunks the engine knows are found verbatim in the prompt and
+  reused, the rest of the prompt is read normally ("plain" when none is found).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms import CustomLLM
+from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.schema import BaseNode, MetadataMode
+
+from kvrag.engine import AnswerStream, KVRag
+from kvrag.types import AnswerStats, Chunk
+
+
+@dataclass
+class PendingContext:
+    """What a postprocessor hands to the next LLM call in the same context (thread / task)."""
+
+    query: str
+    chunks: list[Chunk]
+
+
+_PENDING: contextvars.ContextVar[PendingContext | None] = contextvars.ContextVar("kvrag_pending", default=None)
+
+
+def node_to_chunk(node: BaseNode) -> Chunk:
+    """A node as a kvrag chunk: its id, its text without metadata, its title if it has one."""
+    title = str(node.metadata.get("title") or node.metadata.get("file_name") or "")
+    return Chunk(id=node.node_id, text=node.get_content(metadata_mode=MetadataMode.NONE), title=title)
+
+
+def hand_over(query: str, chunks: Sequence[Chunk]) -> None:
+    _PENDING.set(PendingContext(query, list(chunks)))
+
+
+class KVRagLLM(CustomLLM):
+    """Drop-in LlamaIndex LLM (e.g. `Settings.llm = KVRagLLM()`) backed by a kvrag engine."""
+
+    model_name: str | None = Field(default=None, description="HF model id, folder or .gguf; None = bundled SmolLM2-135M-Instruct")
+    store: str | None = Field(default=None, description="KV store URL; None = disk under $KVRAG_HOME")
+    method: str = Field(default="reuse", description="kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv")
+    recompute_ratio: float = Field(default=0.15, description="share of chunk tokens recomputed by selective methods")
+    max_new_tokens: int = Field(default=128, description="tokens to generate at most")
+    temperature: float = Field(default=0.0, description="0 = greedy")
+    top_p: float = Field(default=1.0, description="nucleus sampling threshold")
+
+    _rag: KVRag = PrivateAttr()
+    _last_stats: AnswerStats | None = PrivateAttr(default=None)
+
+    def __init__(self, rag: KVRag | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._rag = rag if rag is not None else KVRag.from_pretrained(self.model_name, store=self.store)
+
+    @property
+    def rag(self) -> KVRag:
+        return self._rag
+
+    @property
+    def last_stats(self) -> AnswerStats | None:
+        """Stats of the last answer (path, ttft, cache hits, recomputed tokens...)."""
+        return self._last_stats
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVRagLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self._rag.lm.max_context,
+            num_output=self.max_new_tokens,
+            is_chat_model=False,
+            model_name=self.model_name or self._rag.lm.source,
+        )
+
+    def _start(self, prompt: str, kwargs: dict[str, Any]) -> AnswerStream:
+        opts = {
+            "method": kwargs.pop("method", self.method),
+            "recompute_ratio": kwargs.pop("recompute_ratio", self.recompute_ratio),
+            "max_new_tokens": kwargs.pop("max_new_tokens", self.max_new_tokens),
+            "temperature": kwargs.pop("temperature", self.temperature),
+            "top_p": kwargs.pop("top_p", self.top_p),
+        }
+        if "stop" in kwargs:
+            opts["stop"] = kwargs.pop("stop")
+        pending = _PENDING.get()
+        if pending is not None:
+            _PENDING.set(None)  # one hand-over serves one call
+            stream = self._rag.stream(pending.query, chunks=pending.chunks, **opts)
+            stream.stats.path = "postprocessor"
+        else:
+            stream = self._rag.complete(prompt, **opts)
+        self._last_stats = stream.stats
+        return stream
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        answer = self._start(prompt, kwargs).answer()
+        return CompletionResponse(text=answer.text, additional_kwargs={"kvrag_stats": answer.stats.as_dict()})
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        stream = self._start(prompt, kwargs)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for piece in stream:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+            yield CompletionResponse(text=text, delta="", additional_kwargs={"kvrag_stats": stream.stats.as_dict()})
+
+        return gen()
