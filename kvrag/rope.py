@@ -45,8 +45,14 @@ class Rotary:
         if keys.shape[-2] == 0:
             return keys
         cos, sin = self.cos_sin(positions, keys)
-        out = self._apply(keys.float(), keys.float(), cos, sin)[1]
+        k = keys.float()
+        out = self._apply(self._probe_q(k), k, cos, sin)[1]
         return out.to(keys.dtype)
+
+    @staticmethod
+    def _probe_q(k: torch.Tensor) -> torch.Tensor:
+        """apply_rotary_pos_emb rotates q and k together; give it a one-head q so only k costs."""
+        return k.reshape(-1, *k.shape[-2:])[:1].reshape(*([1] * (k.dim() - 2)), *k.shape[-2:])
 
     def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo RoPE at `positions`: the inverse rotation, divided by any attention scaling folded into cos/sin."""
@@ -54,5 +60,6 @@ class Rotary:
             return keys
         cos, sin = self.cos_sin(positions, keys)
         norm = cos * cos + sin * sin  # = scaling^2 (1 for plain rope); per element, so partial rotary is fine
-        out = self._apply(keys.float(), keys.float(), cos / norm, -sin / norm)[1]
+        k = keys.float()
+        out = self._apply(self._probe_q(k), k, cos / norm, -sin / norm)[1]
         return out.to(keys.dtype)
