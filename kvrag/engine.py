@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -27,6 +29,7 @@ from kvrag.similarity import neighbours_by_embedding, neighbours_from_index
 from kvrag.types import Answer, AnswerStats, Chunk
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KIND_CHUNK = "chunk"  # a chunk's KV computed after the system prefix alone
 KIND_SIMILARITY = "similarity"  # ... after the prefix and its most similar chunks (FusionRAG §3.1)
@@ -90,6 +93,17 @@ class _Resolved:
     loaded: dict[int, KVEntry] = field(default_factory=dict)
 
 
+def _serialized(fn: Callable[..., T]) -> Callable[..., T]:
+    """Run an engine method under the engine's lock (batch/async callers use threads)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "KVRag", *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
 class KVRag:
     """RAG over a local causal LM that reuses each chunk's precomputed KV cache."""
 
@@ -109,6 +123,9 @@ class KVRag:
         self.batch_size = batch_size
         self._chunks: dict[str, Chunk] = {}
         self._prefix: LayerStack | None = None
+        # One request at a time touches the model, the registry and the caches; decoding takes the
+        # lock per token, so concurrent streams interleave and an abandoned stream holds nothing.
+        self._lock = threading.RLock()
 
     @classmethod
     def from_pretrained(
@@ -167,9 +184,10 @@ class KVRag:
         changed under the same id resolves to a new key: a miss, never stale KV.
         """
         out = list(chunks)
-        changed = [c for c in out if self._chunks.get(c.id) != c]
-        for c in out:
-            self._chunks[c.id] = c
+        with self._lock:
+            changed = [c for c in out if self._chunks.get(c.id) != c]
+            for c in out:
+                self._chunks[c.id] = c
         if changed:
             keys = [self._key(KIND_CHUNK, self.layout.chunk_ids(c)) for c in changed]
             try:
@@ -194,6 +212,7 @@ class KVRag:
             log.warning("store %s failed (%s)", name, exc)
             return default
 
+    @_serialized
     def precompute(
         self,
         chunks: Iterable[Chunk],
@@ -315,6 +334,7 @@ class KVRag:
         return res
 
     # -- answering ----------------------------------------------------------------------------
+    @_serialized
     def prefill(
         self,
         question: str,
@@ -498,7 +518,13 @@ class KVRag:
     def _decode(self, pre: Prefill, cfg: DecodeConfig) -> Iterator[str]:
         state = DecodeState()
         t = time.perf_counter()
-        yield from stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context)
+        tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context)
+        while True:
+            with self._lock:
+                piece = next(tokens, None)
+            if piece is None:
+                break
+            yield piece
         pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
         pre.stats.decode_s = time.perf_counter() - t
         pre.stats.generated_tokens = len(state.token_ids)
@@ -531,7 +557,8 @@ class KVRag:
             raise ValueError("prompt must be a non-empty string")
         decode_keys = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "evict")
         dec = {k: kwargs.pop(k) for k in decode_keys if k in kwargs}
-        chunks, question = self.match_prompt(prompt)
+        with self._lock:
+            chunks, question = self.match_prompt(prompt)
         if not chunks:
             pre = self.prefill(prompt, method="full", allow_empty=True, evict=dec.get("evict"))
             pre.stats.path = "plain"
