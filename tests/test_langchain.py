@@ -288,3 +288,28 @@ def test_chain_on_smollm_reuses_every_document(smollm) -> None:
     assert second["stats"]["cache_hits"] == len(docs) and second["stats"]["chunk_prefill_tokens"] == 0
     assert second["stats"]["method"] == "a3"
     assert "".join(chain.stream("In which city is the Eiffel Tower?")).strip() == second["answer"]
+
+
+@pytest.mark.smollm
+def test_chain_over_chroma_on_smollm(smollm, tmp_path) -> None:
+    """A real chroma collection (kvrag's ChunkIndex) behind a LangChain retriever, method a3."""
+    from kvrag import Chunk
+    from kvrag.integrations.langchain import ChunkIndexRetriever
+    from kvrag.retrieval import ChunkIndex
+
+    index = ChunkIndex(tmp_path / "chroma", collection="lc_test")
+    chunks = [
+        Chunk("eiffel", "The Eiffel Tower is a wrought-iron tower in Paris, completed in 1889.", "Eiffel Tower"),
+        Chunk("honey", "Honeybees make honey from flower nectar inside the hive.", "Honeybees"),
+        Chunk("pacific", "The Pacific is the largest and deepest ocean on Earth.", "Pacific Ocean"),
+    ]
+    index.add(chunks)
+    rag = KVRag(smollm, store=f"disk://{tmp_path}/kv")
+    rag.precompute(chunks, progress=False)
+    chain = create_kvrag_chain(ChunkIndexRetriever(index, k=2), ChatKVRag(rag=rag, method="a3", max_new_tokens=16), return_sources=True)
+    first = chain.invoke("In which city is the Eiffel Tower?")
+    assert "Paris" in first["answer"]
+    assert first["documents"][0].id == "eiffel"
+    second = chain.invoke("In which city is the Eiffel Tower?")
+    assert second["stats"]["cache_hits"] == 2 and second["stats"]["chunk_prefill_tokens"] == 0
+    assert "".join(chain.stream("In which city is the Eiffel Tower?")).strip() == second["answer"]

@@ -3,5 +3,6 @@
 
 from .chain import KVRagChain, create_kvrag_chain
 from .chat_model import ChatKVRag, documents_to_chunks
+from .retriever import ChunkIndexRetriever
 
-__all__ = ["ChatKVRag", "KVRagChain", "create_kvrag_chain", "documents_to_chunks"]
+__all__ = ["ChatKVRag", "ChunkIndexRetriever", "KVRagChain", "create_kvrag_chain", "documents_to_chunks"]
