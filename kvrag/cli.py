@@ -83,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv)")
     bench.add_argument("--device", default="cpu")
 
+    dv = sub.add_parser("bench-deviation", help="KV deviation from Full Attention: plain vs similarity-guided entries")
+    dv.add_argument("--data", required=True)
+    dv.add_argument("--n", type=int, default=10)
+    dv.add_argument("--seed", type=int, default=0)
+    dv.add_argument("--top-n", type=int, default=2)
+    dv.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+
     sb = sub.add_parser("bench-store", help="store latency/throughput and the load share of TTFT")
     sb.add_argument("--out", required=True)
     sb.add_argument("--redis", default=None, help="also measure this Redis URL (e.g. redis://127.0.0.1:6379/0)")
@@ -230,7 +237,23 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_deviation(args: argparse.Namespace) -> int:
+    from kvrag.engine import KVRag
+    from kvrag.eval.data import load_examples
+    from kvrag.eval.deviation import deviation_study
+
+    rag = KVRag.from_pretrained(args.model, store="memory://")
+    r = deviation_study(rag, load_examples(args.data, n=args.n, seed=args.seed), top_n=args.top_n)
+    print(
+        f"n={r['n']} top_n={r['top_n']}: layer-1 KV deviation plain {r['layer1_plain']:.3f} -> similarity-guided "
+        f"{r['layer1_similarity']:.3f} ({1 - r['layer1_similarity'] / r['layer1_plain']:.0%} lower); all layers "
+        f"{r['all_layers_plain']:.2f} -> {r['all_layers_similarity']:.2f} ({1 - r['all_layers_similarity'] / r['all_layers_plain']:.0%} lower)"
+    )
+    return 0
+
+
 COMMANDS = {
+    "bench-deviation": cmd_bench_deviation,
     "bench-store": cmd_bench_store,
     "ingest": cmd_ingest,
     "ask": cmd_ask,

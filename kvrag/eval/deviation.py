@@ -23,3 +23,29 @@ def kv_deviation(rag: KVRag, question: str, chunk_ids: Sequence[str], kv_kind: s
     dk = (fk.float() - reuse.stitched.keys[:, :, s:e].float()).pow(2).sum(dim=(1, 3))
     dv = (fv.float() - reuse.stitched.values[:, :, s:e].float()).pow(2).sum(dim=(1, 3))
     return (dk + dv).mean(dim=1)
+
+
+def deviation_study(rag: KVRag, examples, top_n: int = 2) -> dict:
+    """Mean KV deviation of plain vs similarity-guided entries over `examples` (neighbours: the
+    top-n most similar chunks among each example's retrieved chunks)."""
+    from kvrag.engine import KIND_SIMILARITY
+    from kvrag.similarity import neighbours_by_embedding
+
+    plain, sim = [], []
+    for ex in examples:
+        ids = [c.id for c in ex.chunks]
+        rag.precompute(ex.chunks, progress=False)
+        rag.precompute(ex.chunks, kind=KIND_SIMILARITY, neighbours=neighbours_by_embedding(ex.chunks, top_n), progress=False)
+        plain.append(kv_deviation(rag, ex.question, ids))
+        sim.append(kv_deviation(rag, ex.question, ids, kv_kind=KIND_SIMILARITY))
+    p, q = torch.stack(plain).mean(0), torch.stack(sim).mean(0)
+    return {
+        "n": len(plain),
+        "top_n": top_n,
+        "layer1_plain": float(p[1]),
+        "layer1_similarity": float(q[1]),
+        "all_layers_plain": float(p.mean()),
+        "all_layers_similarity": float(q.mean()),
+        "per_layer_plain": p.tolist(),
+        "per_layer_similarity": q.tolist(),
+    }

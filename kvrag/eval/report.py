@@ -66,7 +66,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["normalized"] = (row["contains"] - reuse_score) / span if abs(span) > 1e-9 else float("nan")
         row["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in rs)
         row["kept_kv_ratio"] = sum(r.get("kept_kv_ratio", 1.0) for r in rs) / len(rs)
-        row["peak_kv_mb"] = max(r.get("kv_bytes", 0) for r in rs) / 1e6
+        peaks = [r["kv_bytes"] for r in rs if r.get("kv_bytes")]
+        row["peak_kv_mb"] = max(peaks) / 1e6 if peaks else None  # None: not recorded
         rows.append(row)
     return rows
 
@@ -86,7 +87,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['setting']} | {r['n']} | {r['recomputed_share']:.0%} | {r.get('kept_kv_ratio', 1.0):.0%} | "
             f"{r['contains']:.3f} | {r['f1']:.3f} | {r['agree']:.3f} [{lo:.2f}, {hi:.2f}] | {r['agree_f1']:.3f} | {r['kl']:.3f} | "
-            f"{r['normalized']:.2f} | {r['ttft_s'] * 1000:.0f} | {r['ttft_ratio']:.1f}× | {r.get('peak_kv_mb', 0):.1f} |"
+            f"{r['normalized']:.2f} | {r['ttft_s'] * 1000:.0f} | {r['ttft_ratio']:.1f}× | "
+            f"{'–' if r.get('peak_kv_mb') is None else format(r['peak_kv_mb'], '.1f')} |"
         )
     return head + "\n".join(lines) + "\n"
 
