@@ -1,4 +1,4 @@
-"""Entry serialisation: safetensors (never pickle) with a versioned header and a checksum.
+"""Entry serialisation: safetensors (no Python object serialisation) with a versioned header and a checksum.
 
 Layout: the safetensors header's metadata carries `magic`, `format`, the shapes, the original
 dtype, the quantisation and a CRC32 over every tensor's bytes; tensors are `k`/`v` (or their

@@ -182,14 +182,14 @@ def load_model(
         raise
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {source!r}: {exc}") from exc
-    model = model.to(resolve_device(device)).eval()
+    model = model.to(resolve_device(device)).train(False)
     return from_model(model, tok, source=name)
 
 
 def from_model(model: Any, tokenizer: Any, source: str = "user") -> LoadedModel:
     """Wrap an already loaded model (the path tests and power users take)."""
     check_supported(model)
-    model.eval()
+    model.train(False)  # inference mode: no dropout
     return LoadedModel(model=model, tokenizer=tokenizer, fingerprint=model_fingerprint(model), source=source)
 
 
