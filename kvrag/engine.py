@@ -189,18 +189,14 @@ class KVRag:
             for c in out:
                 self._chunks[c.id] = c
         if changed:
-            keys = [self._key(KIND_CHUNK, self.layout.chunk_ids(c)) for c in changed]
-            try:
-                self.store.link([c.id for c in changed], keys)
-            except Exception as exc:
-                log.warning("store index update failed (%s)", exc)
+            self._store_call("link", [c.id for c in changed], self._resolve(changed).keys, default=None)
         return out
 
     def prefetch(self, chunk_ids: Sequence[str] | None = None, chunks: Sequence[Chunk] | None = None) -> None:
         """Start loading these chunks' KV (a tiered store loads in the background; others ignore it)."""
-        keys = [self._key(KIND_CHUNK, self.layout.chunk_ids(c)) for c in (chunks or ())]
+        known = list(chunks or ()) + [self._chunks[i] for i in (chunk_ids or ()) if i in self._chunks]
+        keys = self._resolve(known).keys
         unknown = [i for i in (chunk_ids or ()) if i not in self._chunks]
-        keys += [self._key(KIND_CHUNK, self.layout.chunk_ids(self._chunks[i])) for i in (chunk_ids or ()) if i in self._chunks]
         if unknown:
             keys += [k for k in self._store_call("resolve", unknown, default=[]) if k]
         self._store_call("prefetch", keys, default=None)
