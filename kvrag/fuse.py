@@ -69,17 +69,21 @@ class Stitched:
 def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments, rotary: Rotary) -> Stitched:
     """Concatenate RoPE-free chunk KV after the prefix and rotate keys to their global positions.
 
-    All chunks and all layers are rotated in one batched op (positions broadcast over layers/heads).
+    Each chunk is rotated straight into one preallocated buffer (all layers and heads in one op),
+    so the context is written once instead of concatenated and then copied again.
     """
     pk, pv = prefix
     if not chunks:
         return Stitched(pk.clone(), pv.clone(), segments)
-    ck = torch.cat([k for k, _ in chunks], dim=2)
-    cv = torch.cat([v for _, v in chunks], dim=2)
-    positions = torch.arange(len(segments.prefix), segments.context_len)
-    ck = rotary.rotate(ck.to(pk.device), positions)
-    keys = torch.cat([pk, ck.to(pk.dtype)], dim=2)
-    values = torch.cat([pv, cv.to(pv.device, pv.dtype)], dim=2)
+    n_prefix, total = pk.shape[2], segments.context_len
+    keys = pk.new_empty(*pk.shape[:2], total, pk.shape[3])
+    values = pv.new_empty(*pv.shape[:2], total, pv.shape[3])
+    keys[:, :, :n_prefix] = pk
+    values[:, :, :n_prefix] = pv
+    for start, (k, v) in zip(segments.chunk_starts, chunks):
+        end = start + k.shape[2]
+        rotary.rotate(k.to(pk.device, pk.dtype), torch.arange(start, end), out=keys[:, :, start:end])
+        values[:, :, start:end] = v
     return Stitched(keys, values, segments)
 
 

@@ -72,6 +72,7 @@ class PromptLayout:
         question_template: str = DEFAULT_QUESTION_TEMPLATE,
     ) -> None:
         self.tokenizer = tokenizer
+        self._chunk_ids_memo: dict[str, tuple[int, ...]] = {}
         self.system_prompt = system_prompt
         self.chunk_template = chunk_template
         self.untitled_chunk_template = untitled_chunk_template
@@ -117,7 +118,14 @@ class PromptLayout:
         return template.format(title=chunk.title, text=chunk.text)
 
     def chunk_ids(self, chunk: Chunk) -> list[int]:
-        return self._encode(self.chunk_text(chunk))
+        """Token ids of a chunk; memoised, since every answer re-reads the same chunks."""
+        text = self.chunk_text(chunk)
+        ids = self._chunk_ids_memo.get(text)
+        if ids is None:
+            if len(self._chunk_ids_memo) >= 8192:
+                self._chunk_ids_memo.clear()
+            ids = self._chunk_ids_memo[text] = tuple(self._encode(text))
+        return list(ids)
 
     def question_ids(self, question: str) -> list[int]:
         return self._encode(self.question_template.format(question=question)) + self.suffix_ids

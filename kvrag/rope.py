@@ -32,6 +32,7 @@ class Rotary:
             raise UnsupportedModelError(f"{type(model).__name__} has no rotary_emb; kvrag needs a RoPE model")
         module = sys.modules.get(type(dec).__module__)
         self._apply: Callable = getattr(module, "apply_rotary_pos_emb", None) or _default_apply
+        self._half_split = self._is_half_split()
 
     def cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for `positions` (1-D), in fp32 for an exact inverse, shaped [1, seq, dim]."""
@@ -40,14 +41,38 @@ class Rotary:
         cos, sin = self.rotary_emb(probe, pos)
         return cos.float(), sin.float()
 
-    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply RoPE at `positions` to RoPE-free keys."""
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply RoPE at `positions` to RoPE-free keys (written into `out` when given)."""
         if keys.shape[-2] == 0:
-            return keys
+            return keys if out is None else out.copy_(keys)
         cos, sin = self.cos_sin(positions, keys)
+        if self._half_split and keys.dtype == torch.float32:
+            return self._rotate_half_split(keys, cos, sin, out)
         k = keys.float()
-        out = self._apply(self._probe_q(k), k, cos, sin)[1]
-        return out.to(keys.dtype)
+        rotated = self._apply(self._probe_q(k), k, cos, sin)[1].to(keys.dtype)
+        return rotated if out is None else out.copy_(rotated)
+
+    @staticmethod
+    def _rotate_half_split(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """k*cos + rotate_half(k)*sin without the temporaries of cat/neg (the same float ops, so bit-equal)."""
+        h = k.shape[-1] // 2
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # [1, 1, seq, dim]: broadcast over heads
+        out = torch.mul(k, cos, out=out)
+        out[..., :h] -= k[..., h:] * sin[..., :h]
+        out[..., h:] += k[..., :h] * sin[..., h:]
+        return out
+
+    def _is_half_split(self) -> bool:
+        """Use the fast path only if it gives bit-identical keys to the model's own apply_rotary_pos_emb."""
+        try:
+            dim = int(self.rotary_emb.inv_freq.numel() * 2)
+            g = torch.Generator().manual_seed(0)
+            k = torch.randn(2, 3, 17, dim, generator=g).to(self.rotary_emb.inv_freq.device)
+            cos, sin = self.cos_sin(torch.arange(5, 22), k)
+            want = self._apply(self._probe_q(k), k, cos, sin)[1]
+            return torch.equal(self._rotate_half_split(k, cos, sin, None), want)
+        except Exception:  # any rope variant this check cannot express: the model's own code it is
+            return False
 
     @staticmethod
     def _probe_q(k: torch.Tensor) -> torch.Tensor:
