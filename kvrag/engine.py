@@ -113,8 +113,18 @@ class KVRag:
         store: KVStore | str | None = None,
         layout: PromptLayout | None = None,
         batch_size: int = 8,
+        check: bool = True,
         **layout_kwargs: Any,
     ) -> None:
+        """`check=True` runs the per-model correctness gate (`kvrag.check.gate`) once per model
+        fingerprint and device type (its verdict is cached under $KVRAG_HOME/checks) and raises
+        UnsupportedModelError, naming the failing check, for a model kvrag cannot serve exactly."""
+        if check:
+            from kvrag.check import gate
+
+            self.check_report = gate(lm)
+        else:
+            self.check_report = None
         self.lm = lm
         self.store: KVStore = store if store is not None and not isinstance(store, str) else open_store(store, default_root=kvrag_home() / "kv")
         self.layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
@@ -132,12 +142,19 @@ class KVRag:
         cls,
         model: str | None = None,
         store: KVStore | str | None = None,
-        device: str = "cpu",
+        device: str = "auto",
         dtype: str = "auto",
+        check: bool = True,
         **kwargs: Any,
     ) -> "KVRag":
-        """Load a model (default: the bundled SmolLM2-135M-Instruct) and open a store (default: disk under $KVRAG_HOME)."""
-        return cls(load_model(model, device=device, dtype=dtype), store=store, **kwargs)
+        """Load a model (default: the bundled SmolLM2-135M-Instruct) and open a store (default: disk under $KVRAG_HOME).
+
+        `device`: "auto" (CUDA when a GPU is there, else CPU), "cuda", "cuda:N" or "cpu". `dtype`:
+        "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16" or "float32". Stored
+        entries record their dtype and are cast to the engine's on load. `check=False` skips the
+        per-model correctness gate (see `KVRag.__init__`).
+        """
+        return cls(load_model(model, device=device, dtype=dtype), store=store, check=check, **kwargs)
 
     # -- keys and the prefix ------------------------------------------------------------------
     def _key(self, kind: str, token_ids: Sequence[int]) -> str:
@@ -170,7 +187,7 @@ class KVRag:
             key = self._key(KIND_PREFIX, ids)
             entry = self._store_call("get", key, default=None)
             if self._valid(entry, KIND_PREFIX, len(ids)):
-                self._prefix = (entry.keys.to(self.lm.device), entry.values.to(self.lm.device))
+                self._prefix = (entry.keys.to(self.lm.device, self.lm.dtype), entry.values.to(self.lm.device, self.lm.dtype))
             else:
                 self._prefix = self.computer.prefix_kv(ids)
                 self._store_call("put", key, KVEntry(*self._prefix, meta=self._entry_meta(KIND_PREFIX, len(ids))), default=None)
@@ -418,7 +435,7 @@ class KVRag:
                 if self._valid(e, k, len(resolved.token_ids[i])):
                     stats.cache_hits += 1
                     stats.bytes_loaded += e.nbytes
-                    stacks[i] = (e.keys.to(self.lm.device), e.values.to(self.lm.device))
+                    stacks[i] = (e.keys.to(self.lm.device, self.lm.dtype), e.values.to(self.lm.device, self.lm.dtype))
         stats.path = kind
         stats.load_s = time.perf_counter() - t
         misses = [i for i, st in enumerate(stacks) if st is None]

@@ -52,8 +52,9 @@ class LoadedModel:
 
     @property
     def max_context(self) -> int:
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
-        return int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
+        """The longest prompt + answer kvrag serves exactly: the model's positions, capped by a sliding
+        window (stitched attention is full attention) or a length-dependent rope (see `context_limits`)."""
+        return min(limit for limit, _ in context_limits(self.model).values())
 
 
 def kvrag_home() -> Path:
@@ -76,8 +77,11 @@ def bundled_gguf_path() -> Path:
     raise ModelLoadError(f"no .gguf file found in the {BUNDLED_PACKAGE} package")
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None = "cpu") -> torch.dtype:
+    """A torch dtype; `auto` is bfloat16 on a CUDA device (float16 where the GPU has no bf16), float32 elsewhere."""
     if dtype is None or dtype == "auto":
+        if resolve_device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -161,9 +165,7 @@ def load_model(
     """Load a causal LM from a HF id or folder, a local .gguf file, or (None) the bundled SmolLM2."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = resolve_dtype(dtype)
-    if dtype in (None, "auto") and resolve_device(device).type == "cuda":
-        torch_dtype = torch.bfloat16
+    torch_dtype = resolve_dtype(dtype, device)
     try:
         if source is None or str(source) in ("bundled", BUNDLED_NAME):
             model, tok = _load_gguf(bundled_gguf_path(), torch_dtype, convert_cache)
@@ -213,13 +215,62 @@ def check_supported(model: Any) -> None:
             "kvrag re-rotates cached keys to new positions, which needs RoPE "
             "(Llama, Mistral, Qwen2/3 and similar models)"
         )
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t not in ("full_attention",) for t in layer_types):
+    layer_types = getattr(text_config(model), "layer_types", None) or []
+    if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
         raise UnsupportedModelError(
-            f"{type(model).__name__} mixes attention types {sorted(set(layer_types))}; "
-            "kvrag supports models whose layers all use full attention"
+            f"{type(model).__name__} uses attention types {sorted(set(layer_types))}; "
+            "kvrag supports full attention (and sliding-window layers within their window)"
         )
+
+
+def text_config(model: Any) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def sliding_window(model: Any) -> int | None:
+    """The attention window if any layer uses one (Mistral `sliding_window`, Qwen2/Gemma `layer_types`)."""
+    cfg = text_config(model)
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if getattr(cfg, "use_sliding_window", True) else None
+
+
+def context_limits(model: Any) -> dict[str, tuple[int, str]]:
+    """Every bound on the prompt + answer length that kvrag serves exactly, with why.
+
+    - "positions": the model's max_position_embeddings;
+    - "sliding": a sliding window shorter than that. Stitched attention is full attention, which
+      is what a sliding-window layer computes only while the whole sequence fits in its window;
+    - "rope": a rope whose frequencies depend on the sequence length ("dynamic" NTK scaling grows
+      them past the cached length, "longrope" switches to its long factors past the original
+      length): a key rotated inside a short prompt would be wrong inside a long one, so prompts
+      stay below the length where the frequencies change.
+    """
+    cfg = text_config(model)
+    positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
+    out = {"positions": (positions, f"max_position_embeddings={positions}")}
+    window = sliding_window(model)
+    if window is not None and window < positions:
+        out["sliding"] = (window, f"sliding window {window} < {positions} positions: prompts are capped at {window} tokens")
+    try:
+        rotary = getattr(decoder_of(model), "rotary_emb", None)
+    except UnsupportedModelError:
+        rotary = None
+    rope_type = getattr(rotary, "rope_type", None)
+    if isinstance(rope_type, str):
+        params = getattr(cfg, "rope_parameters", None) or {}
+        if rope_type == "longrope":
+            orig = int(params.get("original_max_position_embeddings") or positions)
+            out["rope"] = (orig, f"longrope switches to its long factors past {orig} tokens: prompts are capped at {orig}")
+        elif "dynamic" in rope_type:
+            orig = int(getattr(rotary, "original_max_seq_len", positions) or positions)
+            out["rope"] = (orig, f"dynamic rope rescales past {orig} tokens: prompts are capped at {orig}")
+    return out
 
 
 def _rope_settings(cfg: Any) -> dict[str, Any]:

@@ -46,7 +46,7 @@ class Rotary:
         if keys.shape[-2] == 0:
             return keys if out is None else out.copy_(keys)
         cos, sin = self.cos_sin(positions, keys)
-        if self._half_split and keys.dtype == torch.float32:
+        if self._half_split and keys.dtype == torch.float32 and cos.shape[-1] == keys.shape[-1]:
             return self._rotate_half_split(keys, cos, sin, out)
         k = keys.float()
         rotated = self._apply(self._probe_q(k), k, cos, sin)[1].to(keys.dtype)

@@ -10,9 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def kvrag_home(tmp_path_factory):
-    """One $KVRAG_HOME per test session (the converted bundled model is kept there)."""
+    """One $KVRAG_HOME per test session for every test (the converted model and gate verdicts land there, never in ~/.kvrag)."""
     home = os.environ.get("KVRAG_TEST_HOME") or str(tmp_path_factory.mktemp("kvrag_home"))
     os.environ["KVRAG_HOME"] = home
     return Path(home)

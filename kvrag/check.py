@@ -1,0 +1,522 @@
+"""The per-model correctness gate: is KV reuse exact on *this* model, device and dtype?
+
+kvrag's answers are only as good as three invariants, and each depends on model code kvrag does
+not own (its rotary embedding, its attention, its masks). So instead of trusting a list of
+architectures, the gate measures them on the user's own model, through the engine's own code
+paths (precompute -> store -> stitch -> recompute), with a tiny prompt:
+
+1. re-rotated keys: a chunk's stored RoPE-free keys, rotated by `Rotary` to a far-away position,
+   equal the keys the model computes for the same tokens placed there;
+2. reuse = full (1 chunk): one chunk after the system prompt, reused from the store, gives Full
+   Attention's first-token logits;
+3. recompute 1.0 = full (2 chunks): the shared recompute pass with every chunk token selected
+   gives Full Attention's logits.
+
+Static pre-checks come first (RoPE present, its variant, partial rotary, sliding windows,
+attention sinks). A failure raises `UnsupportedModelError` naming the failing check(s), never a
+silently wrong answer. `gate()` runs it once per model fingerprint and device type and keeps the
+verdict under `$KVRAG_HOME/checks/<fingerprint>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.errors import UnsupportedModelError
+from kvrag.model import (
+    LoadedModel,
+    check_supported,
+    context_limits,
+    decoder_of,
+    from_model,
+    kvrag_home,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    text_config,
+)
+from kvrag.types import Chunk
+
+log = logging.getLogger(__name__)
+
+# Bump when what the gate checks (or how) changes: verdicts cached by an older gate are re-run.
+CHECK_VERSION = "1"
+
+# Tolerances on relative L2 errors, ||got - want|| / ||want|| over the compared tensor (each
+# layer's keys, worst layer reported; the vocabulary's logits), so they mean the same for a tiny
+# random model and a 7B one whose logits reach 30. Measured (CPU, tests/tiny.py models and
+# SmolLM2-135M, 30 layers):
+#
+#                 keys        logits      a real defect (either)
+#   float32      <= 5e-6     <= 1e-6     sliding window shorter than the prompt: 9e-2 .. 2.5e-1
+#   float16      <= 1e-3     <= 6e-4     keys rotated one position off:          3.5e-1
+#   bfloat16     <= 1.5e-2   <= 5e-3     (and 2-chunk reuse's cross-attention loss on SmolLM2: 7e-2)
+#
+# float32: reused and in-place computations run the same operations in another order (a chunk's
+# KV alone vs inside the whole prompt; keys rotated at other positions), so they differ only by
+# accumulated rounding; 1e-4 is 20x above the worst measured and 1000x below a real defect.
+# bfloat16 keeps 8 mantissa bits (eps 3.9e-3): a reused key is rounded twice more than an
+# in-place one (RoPE stripped for storage, re-applied in fp32 and cast back) and the bf16 passes
+# differ by ~1 ulp per op, which saturates around 1e-2 on keys; 4e-2 (keys) and 3e-2 (logits)
+# sit ~3-6x above that noise and ~3x below the smallest defect measured. float16 has 3 more
+# mantissa bits, so 1e-2 keeps ~10x on both sides.
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"keys": 1e-4, "logits": 1e-4},
+    torch.bfloat16: {"keys": 4e-2, "logits": 3e-2},
+    torch.float16: {"keys": 1e-2, "logits": 1e-2},
+}
+
+# The check's prompt: two short chunks and a question (tiny, so the gate costs well under a second).
+CHECK_CHUNKS = (
+    Chunk("kvrag-check-a", "The Brannoch Line opened in 1893 between Aldport and Kessock. Its trains crossed the river on a stone viaduct."),
+    Chunk("kvrag-check-b", "Honeybees turn nectar into honey inside the hive. They fan their wings to evaporate the water."),
+)
+CHECK_QUESTION = "When did the Brannoch Line open?"
+KEY_SHIFT = 1024  # re-rotated keys are moved this far (or as far as the model's context allows)
+
+ROWS = ("architecture", "rope variant", "partial rotary", "sliding window", "attention sinks",
+        "re-rotated keys", "reuse = full (1 chunk)", "recompute 1.0 = full")
+
+
+@dataclass
+class CheckRow:
+    """One check: `passed` is None when it was skipped (an earlier check already failed)."""
+
+    name: str
+    passed: bool | None
+    error: float | None = None  # the measured relative error (numeric checks)
+    tolerance: float | None = None
+    message: str = ""
+
+    @property
+    def status(self) -> str:
+        return "skip" if self.passed is None else "ok" if self.passed else "FAIL"
+
+
+@dataclass
+class CheckReport:
+    source: str
+    fingerprint: str
+    device: str
+    dtype: str
+    rows: list[CheckRow] = field(default_factory=list)
+    seconds: float = 0.0
+    cached: bool = False  # read back from $KVRAG_HOME/checks rather than run now
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed is not False for r in self.rows) and any(r.passed for r in self.rows)
+
+    @property
+    def failed(self) -> list[CheckRow]:
+        return [r for r in self.rows if r.passed is False]
+
+    def row(self, name: str) -> CheckRow:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def table(self) -> str:
+        """A short text table: one line per check, then the verdict."""
+        head = ("check", "result", "rel. error", "tolerance", "note")
+        lines = [head] + [
+            (r.name, r.status, _num(r.error), _num(r.tolerance), r.message) for r in self.rows
+        ]
+        widths = [max(len(line[i]) for line in lines) for i in range(4)]
+        out = [f"model {self.source} on {self.device} / {self.dtype} (fingerprint {self.fingerprint[:12] or '-'})"]
+        for i, line in enumerate(lines):
+            out.append("  ".join(c.ljust(w) for c, w in zip(line[:4], widths)) + "  " + line[4])
+            if i == 0:
+                out.append("  ".join("-" * w for w in widths) + "  " + "-" * 4)
+        verdict = "PASSED" if self.passed else "FAILED: " + ", ".join(r.name for r in self.failed)
+        out.append(f"{verdict} ({'cached verdict' if self.cached else f'{self.seconds:.2f} s'})")
+        return "\n".join(out)
+
+    def error_message(self) -> str:
+        failed = self.failed
+        parts = [f"{r.name}: {r.message}" + (f" (error {_num(r.error)} > tolerance {_num(r.tolerance)})" if r.error is not None and r.tolerance is not None and not math.isnan(r.error) else "") for r in failed]
+        return (
+            f"kvrag cannot serve {self.source} exactly on {self.device}/{self.dtype}: "
+            f"failed check{'s' if len(failed) > 1 else ''} " + "; ".join(parts)
+            + ". Run `kvrag check-model` for the full table; KVRag(..., check=False) skips this gate at your own risk."
+        )
+
+    def raise_if_failed(self) -> "CheckReport":
+        if not self.passed:
+            raise UnsupportedModelError(self.error_message())
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("cached")
+        for r in d["rows"]:  # JSON has no NaN/inf
+            for k in ("error", "tolerance"):
+                if r[k] is not None and not math.isfinite(r[k]):
+                    r[k] = None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], cached: bool = False) -> "CheckReport":
+        rows = [CheckRow(**r) for r in d["rows"]]
+        return cls(d["source"], d["fingerprint"], d["device"], d["dtype"], rows, float(d.get("seconds", 0.0)), cached)
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else "nan" if math.isnan(x) else f"{x:.1e}"
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative L2 error ||got - want|| / ||want|| (NaN if either is not finite)."""
+    got, want = got.float(), want.float()
+    if not torch.isfinite(got).all() or not torch.isfinite(want).all():
+        return float("nan")
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+# -- static checks ----------------------------------------------------------------------------
+def _static_rows(lm: LoadedModel, prompt_tokens: int) -> list[CheckRow]:
+    model = lm.model
+    cfg = text_config(model)
+    rows: list[CheckRow] = []
+    dec = decoder_of(model)
+    rows.append(CheckRow("architecture", True, message=f"{type(model).__name__}, {len(dec.layers)} layers, RoPE"))
+
+    rotary = dec.rotary_emb
+    rope_type = getattr(rotary, "rope_type", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    limits = context_limits(model)
+    if isinstance(rope_type, dict):  # per-layer-type ropes (Gemma 3): the key check decides
+        rows.append(CheckRow("rope variant", True, message="per layer type: " + ", ".join(f"{k}={v}" for k, v in sorted(rope_type.items()))))
+    elif "rope" in limits:
+        rows.append(CheckRow("rope variant", True, message=f"{rope_type}: {limits['rope'][1]}"))
+    else:
+        rows.append(CheckRow("rope variant", True, message=str(rope_type)))
+
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv = getattr(rotary, "inv_freq", None)
+    rot_dim = int(inv.numel() * 2) if isinstance(inv, torch.Tensor) else head_dim
+    if rot_dim < head_dim:
+        rows.append(CheckRow("partial rotary", True, message=f"rotary dim {rot_dim} of head dim {head_dim}: exact only if the key check passes"))
+    else:
+        rows.append(CheckRow("partial rotary", True, message="none"))
+
+    if "sliding" in limits:
+        window, why = limits["sliding"]
+        if window < prompt_tokens:
+            rows.append(CheckRow(
+                "sliding window", False,
+                message=f"sliding_window={window} is shorter than the check's {prompt_tokens}-token prompt; kvrag's stitched "
+                "attention is full attention, exact only while a prompt fits in the window",
+            ))
+        else:
+            rows.append(CheckRow("sliding window", True, message=why))
+    else:
+        rows.append(CheckRow("sliding window", True, message="none"))
+
+    sinks = [n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "attn_sinks", "sink")]
+    if sinks or getattr(cfg, "attention_sinks", None):
+        rows.append(CheckRow(
+            "attention sinks", False,
+            message=f"learned attention-sink logits ({sinks[0] if sinks else 'config'}): kvrag's attention probes "
+            "(method selection, SnapKV eviction) compute softmax without them",
+        ))
+    else:
+        rows.append(CheckRow("attention sinks", True, message="none"))
+    return rows
+
+
+# -- numeric checks ---------------------------------------------------------------------------
+def _key_check(rag: Any, tol: float) -> CheckRow:
+    """Stored RoPE-free keys of a chunk, re-rotated to a far position == keys computed there in place."""
+    from kvrag.cache import cache_kv, empty_cache
+    from kvrag.engine import KIND_CHUNK
+    from kvrag.precompute import stack_layers
+
+    lm, layout = rag.lm, rag.layout
+    ids = layout.chunk_ids(CHECK_CHUNKS[0])
+    entry = rag.store.get(rag._key(KIND_CHUNK, ids))  # what precompute stored: the engine's own path
+    if entry is None:
+        raise RuntimeError("the chunk's KV was not stored by precompute")
+    prefix = list(layout.prefix_ids)
+    s, n = len(prefix), len(ids)
+    shift = max(0, min(KEY_SHIFT, lm.max_context - s - n - 1))
+    seq = torch.tensor([prefix + ids], device=lm.device)
+    cache = empty_cache()
+    with torch.no_grad():  # prefix + chunk, the whole sequence moved by `shift`
+        lm.model(input_ids=seq, position_ids=torch.arange(shift, shift + s + n, device=lm.device)[None],
+                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+    want, _ = stack_layers(cache_kv(cache), s, s + n)
+    got = rag.rotary.rotate(entry.keys.to(lm.device, lm.dtype), torch.arange(shift + s, shift + s + n))
+    err = max(_rel(g, w) for g, w in zip(got, want))  # per layer: layers differ in scale
+    ok = err <= tol
+    return CheckRow("re-rotated keys", ok, err, tol, f"{want.shape[0]} layers, {n} tokens moved from {s} to {shift + s}")
+
+
+def _logits_row(name: str, want: Any, got: Any, tol: float, note: str) -> CheckRow:
+    err = _rel(got.logits, want.logits)
+    same_top = int(got.logits.argmax()) == int(want.logits.argmax())
+    ok = err <= tol
+    return CheckRow(name, ok, err, tol, note + ("" if same_top else "; top token differs"))
+
+
+def _numeric_rows(lm: LoadedModel, rag: Any, tol: dict[str, float]) -> list[CheckRow]:
+    rows: list[CheckRow] = []
+    a, b = (c.id for c in CHECK_CHUNKS)
+
+    def run(name: str, fn: Any) -> None:
+        try:
+            rows.append(fn())
+        except Exception as exc:  # a model the engine cannot even run: that is the verdict
+            log.debug("check %s raised", name, exc_info=True)
+            rows.append(CheckRow(name, False, message=_short(exc)))
+
+    run("re-rotated keys", lambda: _key_check(rag, tol["keys"]))
+    run("reuse = full (1 chunk)", lambda: _logits_row(
+        "reuse = full (1 chunk)",
+        rag.prefill(CHECK_QUESTION, [a], method="full"),
+        rag.prefill(CHECK_QUESTION, [a], method="reuse"),
+        tol["logits"], "first-token logits, chunk KV from the store",
+    ))
+
+    def recompute_all() -> CheckRow:
+        full = rag.prefill(CHECK_QUESTION, [a, b], method="full")
+        every = rag.prefill(CHECK_QUESTION, [a, b], method="epic", recompute_ratio=1.0)
+        n = full.segments.context_len - len(full.segments.prefix)
+        if every.stats.recomputed_tokens != n:
+            return CheckRow("recompute 1.0 = full", False, message=f"recomputed {every.stats.recomputed_tokens} of {n} chunk tokens")
+        return _logits_row("recompute 1.0 = full", full, every, tol["logits"], f"2 chunks, all {n} chunk tokens recomputed")
+
+    run("recompute 1.0 = full", recompute_all)
+    return rows
+
+
+# -- entry points -----------------------------------------------------------------------------
+def _as_loaded(lm_or_model: Any, device: Any, dtype: Any, tokenizer: Any) -> LoadedModel:
+    """A LoadedModel on the asked device/dtype (None or "auto" keep a given model's own)."""
+    if isinstance(lm_or_model, (str, os.PathLike)):
+        return load_model(None if str(lm_or_model) == "bundled" else lm_or_model, device=device or "auto", dtype=dtype or "auto")
+    if isinstance(lm_or_model, LoadedModel):
+        lm = lm_or_model
+    else:
+        if tokenizer is None:
+            raise ValueError("check_model(model) needs tokenizer=...; or pass a LoadedModel, a model id or a path")
+        lm = from_model(lm_or_model, tokenizer)
+    want_device = resolve_device(device) if device is not None else lm.device
+    want_dtype = resolve_dtype(dtype) if dtype not in (None, "auto") else lm.dtype
+    moved = want_device.type != lm.device.type or (want_device.index is not None and want_device != lm.device)
+    if moved or want_dtype != lm.dtype:  # check a copy; never touch the user's model
+        model = copy.deepcopy(lm.model).to(want_device, want_dtype)
+        lm = from_model(model, lm.tokenizer, source=lm.source)
+    return lm
+
+
+def _refused(source: str, exc: Exception, device: str, dtype: str, seconds: float = 0.0) -> CheckReport:
+    """The report of a model that cannot even be wrapped (no decoder stack, no RoPE, ...)."""
+    rows = [CheckRow("architecture", False, message=str(exc))] + [CheckRow(n, None, message="skipped") for n in ROWS[1:]]
+    return CheckReport(source, "", device, dtype.removeprefix("torch."), rows, seconds)
+
+
+def run_checks(lm: LoadedModel) -> CheckReport:
+    """Every check on this loaded model as it is (its device and dtype)."""
+    from kvrag.engine import KVRag
+
+    t0 = time.perf_counter()
+    report = CheckReport(lm.source, lm.fingerprint, lm.device.type, str(lm.dtype).removeprefix("torch."))
+    tol = TOLERANCES.get(lm.dtype, TOLERANCES[torch.bfloat16])
+    rag = None
+    try:
+        check_supported(lm.model)
+        rag = KVRag(lm, store="memory://", check=False)
+        seg = rag.layout.segments([rag.layout.chunk_ids(c) for c in CHECK_CHUNKS], CHECK_QUESTION)
+        report.rows = _static_rows(lm, seg.total_len)
+    except Exception as exc:
+        report.rows = [CheckRow("architecture", False, message=_short(exc))]
+    if rag is not None and all(r.passed for r in report.rows):
+        try:
+            rag.precompute(list(CHECK_CHUNKS), progress=False)
+        except Exception as exc:
+            report.rows.append(CheckRow("re-rotated keys", False, message="precompute failed: " + _short(exc)))
+        else:
+            report.rows += _numeric_rows(lm, rag, tol)
+    done = {r.name for r in report.rows}
+    report.rows += [CheckRow(n, None, message="skipped") for n in ROWS if n not in done]
+    partial = next((r for r in report.rows if r.name == "partial rotary" and r.message != "none"), None)
+    if partial is not None:  # say why a partial-rotary model fails its numeric checks
+        for r in report.rows:
+            if r.passed is False and r.name in ROWS[5:]:
+                r.message += f" (partial rotary: {partial.message.split(':')[0]})"
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def check_model(lm_or_model: Any, device: Any = None, dtype: Any = None, *, tokenizer: Any = None) -> CheckReport:
+    """Run every check on a model and return the report (a failing model raises nothing here: see
+    `CheckReport.raise_if_failed`).
+
+    `lm_or_model`: a LoadedModel, a HF model (with `tokenizer=`), or a HF id / folder / .gguf path
+    / "bundled". `device`/`dtype` (None keeps a given model's own; "auto" = CUDA + bfloat16 when a
+    GPU is there, else CPU + float32) check a copy when they differ from a given model's.
+    """
+    t0 = time.perf_counter()
+    try:
+        lm = _as_loaded(lm_or_model, device, dtype, tokenizer)
+    except UnsupportedModelError as exc:
+        source = str(lm_or_model) if isinstance(lm_or_model, (str, os.PathLike)) else type(lm_or_model).__name__
+        params = next(lm_or_model.parameters(), None) if hasattr(lm_or_model, "parameters") else None
+        dev = params.device.type if params is not None and device is None else resolve_device(device or "auto").type
+        dt = str(params.dtype if params is not None and dtype in (None, "auto") else resolve_dtype(dtype, dev))
+        return _refused(source, exc, dev, dt, time.perf_counter() - t0)
+    return run_checks(lm)
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_digest() -> str:
+    """A hash of the engine code the checks exercise: editing it invalidates every cached verdict."""
+    import importlib
+
+    h = hashlib.sha256()
+    for name in ("kvrag.cache", "kvrag.check", "kvrag.engine", "kvrag.fuse", "kvrag.layout", "kvrag.model", "kvrag.precompute", "kvrag.rope"):
+        try:
+            h.update(Path(importlib.import_module(name).__file__ or "").read_bytes())
+        except OSError:
+            h.update(name.encode())
+    return h.hexdigest()[:16]
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from kvrag import __version__
+
+    return {
+        "check": CHECK_VERSION,
+        "kvrag": __version__,
+        "engine": _engine_digest(),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+
+
+def verdict_path(fingerprint: str, home: str | os.PathLike | None = None) -> Path:
+    return Path(home or kvrag_home()).expanduser() / "checks" / f"{fingerprint}.json"
+
+
+def _settings(lm: LoadedModel) -> dict[str, Any]:
+    """What shapes the verdict beyond the fingerprint (which covers weights, shapes, rope and dtype)."""
+    cfg = text_config(lm.model)
+    return {
+        "attn_implementation": str(getattr(lm.model.config, "_attn_implementation", None)),
+        "context_limits": {k: v[0] for k, v in context_limits(lm.model).items()},
+        "layer_types": sorted(set(getattr(cfg, "layer_types", None) or [])),
+    }
+
+
+def _read_verdict(path: Path, lm: LoadedModel) -> CheckReport | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("versions") != _versions():
+            return None
+        found = data.get("verdicts", {}).get(lm.device.type)
+        if not found or found.get("settings") != _settings(lm):
+            return None
+        return CheckReport.from_dict(found["report"], cached=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_verdict(path: Path, report: CheckReport, lm: LoadedModel) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data: dict[str, Any] = {}
+        try:
+            old = json.loads(path.read_text())
+            if old.get("versions") == _versions():
+                data = old
+        except (OSError, ValueError):
+            pass
+        data["versions"] = _versions()
+        data["fingerprint"] = report.fingerprint
+        data.setdefault("verdicts", {})[report.device] = {"settings": _settings(lm), "report": report.to_dict()}
+        fd, tmp = tempfile.mkstemp(prefix=".check-", suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+    except OSError as exc:
+        log.warning("could not keep the model check verdict at %s: %s", path, exc)
+
+
+def gate(lm: LoadedModel, home: str | os.PathLike | None = None, *, refresh: bool = False) -> CheckReport:
+    """The engine's gate: the cached verdict for this fingerprint and device type, or run the checks
+    once and cache it; raises UnsupportedModelError (naming the failing checks) if they fail."""
+    path = verdict_path(lm.fingerprint, home)
+    report = None if refresh else _read_verdict(path, lm)
+    if report is None:
+        report = run_checks(lm)
+        _write_verdict(path, report, lm)
+        log.info("model check for %s: %s in %.2f s", lm.source, "passed" if report.passed else "FAILED", report.seconds)
+    return report.raise_if_failed()
+
+
+# -- command line -----------------------------------------------------------------------------
+def add_check_model_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `kvrag check-model MODEL [--device D] [--dtype T]` (sets `func=cmd_check_model`)."""
+    p = subparsers.add_parser(
+        "check-model",
+        help="verify on your model that KV reuse is exact (re-rotated keys, reuse and recompute vs Full Attention)",
+    )
+    p.add_argument("model", nargs="?", default="bundled", help='HF id or folder, a .gguf file, or "bundled" (default)')
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 or auto (default: CUDA if present)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.set_defaults(func=cmd_check_model)
+    return p
+
+
+def cmd_check_model(args: argparse.Namespace) -> int:
+    """Run the checks afresh, print the table, keep the verdict for the engine; 0 if it passed, 1 if not.
+
+    A model that cannot be loaded raises ModelLoadError (the CLI prints it and exits 2).
+    """
+    source = args.model if args.model not in (None, "", "bundled") else None
+    device, dtype = getattr(args, "device", "auto") or "auto", getattr(args, "dtype", "auto") or "auto"
+    print(f"loading model ({source or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
+    try:
+        lm = load_model(source, device=device, dtype=dtype)
+    except UnsupportedModelError as exc:
+        dev = resolve_device(device).type
+        report = _refused(str(source or "bundled"), exc, dev, str(resolve_dtype(dtype, dev)))
+    else:
+        report = run_checks(lm)
+        _write_verdict(verdict_path(lm.fingerprint), report, lm)
+    if getattr(args, "json", False):
+        print(json.dumps({"passed": report.passed, **report.to_dict()}, indent=1))
+    else:
+        print(report.table())
+    if not report.passed:
+        print(f"kvrag: error: {report.error_message()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["CheckReport", "CheckRow", "TOLERANCES", "add_check_model_parser", "check_model", "cmd_check_model", "gate", "run_checks", "verdict_path"]

@@ -1,0 +1,134 @@
+"""The core exactness invariants on a CUDA GPU, in float32 and bfloat16 (skipped without a GPU).
+
+Errors are relative L2 errors, ||got - want|| / ||want||, over each layer's keys or the
+first-token logits. Tolerances (the reasoning and CPU measurements are in kvrag/check.py):
+
+- float32: 1e-4. Same operations in another order; tiny models measure ~1e-7 .. 1e-6 on CPU.
+- bfloat16: keys 4e-2, logits 3e-2. 8 mantissa bits; a reused key is rounded twice more than an
+  in-place one (RoPE stripped, stored, re-applied) and the bf16 passes round differently
+  (different kernels: flash for Full Attention's causal prefill, the masked kernel for reuse),
+  which lands around 1e-2; real defects measure 9e-2 .. 3.5e-1.
+"""
+
+import pytest
+import torch
+
+from kvrag import Chunk, KVRag, from_model
+from kvrag.cache import cache_kv, empty_cache
+from kvrag.check import check_model
+from kvrag.methods.base import Method
+from kvrag.rope import Rotary
+from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TOL = {
+    torch.float32: {"keys": 1e-4, "logits": 1e-4},
+    torch.bfloat16: {"keys": 4e-2, "logits": 3e-2},
+}
+DTYPES = [torch.float32, torch.bfloat16]
+ROPES = {"default": None, "llama3": LLAMA3_ROPE, "yarn": YARN_ROPE}
+CHUNKS = [
+    Chunk("a", "The cat sat on the mat and purred all afternoon."),
+    Chunk("b", "Volcanoes erupt lava, ash and gas from deep below.", title="Geology"),
+    Chunk("c", "Stock markets rose today after the central bank spoke."),
+]
+IDS = [c.id for c in CHUNKS]
+Q = "What did the cat do?"
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+
+
+class SelectAll(Method):
+    name = "select-all"
+
+    def select(self, ctx, budget):
+        return ctx.stitched.chunk_positions()
+
+
+def rel(got, want):
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm())
+
+
+def cuda_lm(arch, dtype, rope=None):
+    return from_model(tiny_model(arch, rope_scaling=rope).to("cuda", dtype), tiny_tokenizer())
+
+
+def make_rag(arch, dtype):
+    rag = KVRag(cuda_lm(arch, dtype), store="memory://", check=False)  # the invariants themselves, not the gate
+    rag.precompute(CHUNKS, progress=False)
+    assert rag.lm.device.type == "cuda" and rag.lm.dtype == dtype
+    return rag
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_chunk_reuse_equals_full_on_cuda(arch, dtype):
+    rag = make_rag(arch, dtype)
+    full = rag.prefill(Q, ["a"], method="full")
+    reuse = rag.prefill(Q, ["a"], method="reuse")
+    assert reuse.stats.cache_hits == 1 and reuse.stats.recomputed_tokens == 0
+    assert full.logits.device.type == "cuda"
+    assert rel(reuse.logits, full.logits) <= TOL[dtype]["logits"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_recompute_ratio_one_equals_full_on_cuda(arch, dtype):
+    rag = make_rag(arch, dtype)
+    full = rag.prefill(Q, IDS, method="full")
+    for every in (rag.prefill(Q, IDS, method=SelectAll()), rag.prefill(Q, IDS, method="epic", recompute_ratio=1.0)):
+        assert every.stats.recomputed_tokens == full.segments.context_len - len(full.segments.prefix)
+        assert rel(every.logits, full.logits) <= TOL[dtype]["logits"]
+    if dtype == torch.float32:  # reusing several chunks without recompute is measurably not Full Attention
+        assert rel(rag.prefill(Q, IDS, method="reuse").logits, full.logits) > 10 * TOL[dtype]["logits"]
+
+
+def keys_at(model, ids, start):
+    cache = empty_cache()
+    pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    return [k for k, _ in cache_kv(cache)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rerotated_keys_equal_keys_computed_in_place_on_cuda(arch, rope, dtype):
+    model = cuda_lm(arch, dtype, ROPES[rope]).model
+    rot = Rotary(model)
+    ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(0)).to("cuda")
+    pos_a, pos_b = torch.arange(7, 47), torch.arange(731, 771)
+    at_a, at_b = keys_at(model, ids, 7), keys_at(model, ids, 731)
+    for ka, kb in zip(at_a, at_b):
+        moved = rot.rotate(rot.unrotate(ka, pos_a), pos_b)
+        assert moved.device.type == "cuda" and moved.dtype == dtype
+        assert rel(moved, kb) <= TOL[dtype]["keys"]
+    assert rel(at_a[0], at_b[0]) > 0.1  # the check can fail: unmoved keys differ
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_check_model_passes_on_cuda(arch, dtype):
+    report = check_model(cuda_lm(arch, dtype))
+    assert report.passed, report.table()
+    assert report.device == "cuda" and report.dtype == str(dtype).removeprefix("torch.")
+
+
+def test_auto_picks_cuda_and_bfloat16(tmp_path):
+    folder = tmp_path / "llama"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    rag = KVRag.from_pretrained(str(folder), store="memory://")  # device="auto", dtype="auto"
+    want = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    assert rag.lm.device.type == "cuda" and rag.lm.dtype == want
+    assert rag.check_report.passed and rag.check_report.device == "cuda"
+    out = rag.answer(Q, chunks=CHUNKS[:2], max_new_tokens=4)
+    assert out.stats.cache_misses == 2 and out.stats.generated_tokens > 0
+    again = rag.answer(Q, ["a", "b"], max_new_tokens=4)
+    assert again.stats.cache_hits == 2
