@@ -37,7 +37,7 @@ def _quiet_libraries() -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help="KV store URL (default: disk under $KVRAG_HOME/kv)")
     p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
     p.add_argument("--collection", default="kvrag_chunks", help="chroma collection under $KVRAG_HOME/chroma")
 
 
@@ -70,18 +70,38 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("methods", help="list the available methods")
 
-    bench = sub.add_parser("bench", help="quality and speed of methods x recompute ratios on a JSONL dataset")
-    bench.add_argument("--data", required=True, help="JSONL shaped like shared/data/*.jsonl")
+    bench = sub.add_parser(
+        "bench",
+        help="quality and speed of methods x recompute ratios on a JSONL dataset (`bench speed`: TTFT vs context length)",
+    )
+    bench.add_argument("mode", nargs="?", choices=("quality", "speed"), default="quality",
+                       help="quality (default): a dataset, every setting; speed: TTFT vs context length only")
+    bench.add_argument("--data", default=None, help="JSONL shaped like shared/data/*.jsonl (default with --quick: the bundled sample)")
     bench.add_argument("--n", type=int, default=100, help="examples (seeded sample)")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--methods", default="cacheblend,epic,a3,fusionrag")
-    bench.add_argument("--ratios", default="0.05,0.15,0.3")
+    bench.add_argument("--methods", default="cacheblend,epic,a3,fusionrag,samkv")
+    bench.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios (speed mode: the first is used)")
     bench.add_argument("--similarity", action="store_true", help="also run FusionRAG's similarity-guided entries")
     bench.add_argument("--max-new-tokens", type=int, default=24)
+    bench.add_argument("--contexts", default=None,
+                       help="context sizes for the TTFT-vs-length sweep, e.g. 512,1k,2k,4k ('none' skips it in quality mode)")
+    bench.add_argument("--chunk-tokens", type=int, default=None, help="speed sweep: tokens per chunk (default 400; 128 with --quick)")
+    bench.add_argument("--repeats", type=int, default=3, help="speed sweep: repeats per point (medians)")
+    bench.add_argument("--shape", default=None, help="speed mode: a model shape from kvrag/shapes (llama-3.2-1b, llama-3.1-8b, qwen2.5-7b)")
+    bench.add_argument("--random-weights", action="store_true", help="speed mode with --shape: build the shape with random weights")
+    bench.add_argument("--quick", action="store_true", help="a few examples and small contexts: the whole harness in a few minutes")
     bench.add_argument("--out", required=True, help="output folder (re-running resumes)")
     bench.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
     bench.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv)")
-    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--dtype", default="auto")
+
+    from kvrag.check import add_check_model_parser
+
+    add_check_model_parser(sub)
+    demo = sub.add_parser("demo", help="the Streamlit demo: ask, compare with Full Attention, see what was recomputed")
+    demo.add_argument("--port", type=int, default=8501)
+    demo.add_argument("--address", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
 
     dv = sub.add_parser("bench-deviation", help="KV deviation from Full Attention: plain vs similarity-guided entries")
     dv.add_argument("--data", required=True)
@@ -203,31 +223,94 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+QUICK = {"n": 4, "ratios": "0.15,0.3", "max_new_tokens": 8, "contexts": "256,512,1k", "chunk_tokens": 128, "repeats": 1}
+
+
+def _bench_defaults(args: argparse.Namespace) -> None:
+    """--quick shrinks every knob the user did not set (the harness end to end in a few minutes)."""
+    if not args.quick:
+        args.contexts = args.contexts or "1k,2k,4k"
+        args.chunk_tokens = args.chunk_tokens or 400
+        return
+    given = {a.split("=", 1)[0] for a in args.argv}
+    for key, value in QUICK.items():
+        if f"--{key.replace('_', '-')}" not in given:
+            setattr(args, key, value)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvrag.engine import KVRag
-    from kvrag.eval.data import load_examples
-    from kvrag.eval.report import markdown_table, summarize, load_records, write_report
+    from kvrag.eval.report import load_records, markdown_table, summarize, write_report
     from kvrag.eval.runner import hardware, make_settings, run
 
-    examples = load_examples(args.data, n=args.n, seed=args.seed)
+    _bench_defaults(args)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     store = args.store or f"disk://{(out / 'kv').resolve()}"
-    rag = KVRag.from_pretrained(args.model, store=store, device=args.device)
     methods = [m for m in args.methods.split(",") if m]
     ratios = [float(r) for r in args.ratios.split(",") if r]
-    settings = make_settings(methods, ratios, similarity=args.similarity)
-    records = run(rag, examples, settings, out, max_new_tokens=args.max_new_tokens)
-    meta = {
-        "command": "kvrag " + " ".join(sys.argv[1:]),
-        "hardware": hardware(),
-        "data": args.data,
-        "n": len(examples),
-        "seed": args.seed,
-        "model": rag.lm.source,
-    }
+    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "max_new_tokens": args.max_new_tokens}
+    if args.mode == "speed":
+        return _bench_speed(args, methods, ratios[0] if ratios else 0.15, store, meta)
+    if args.data is None and not args.quick:
+        raise KVRagError("kvrag bench needs --data PATH (a JSONL shaped like shared/data/*.jsonl), or --quick")
+    from kvrag.eval.data import load_examples, sample_examples
+
+    examples = load_examples(args.data, n=args.n, seed=args.seed) if args.data else sample_examples(args.n, args.seed)
+    rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype)
+    records = run(rag, examples, make_settings(methods, ratios, similarity=args.similarity), out, max_new_tokens=args.max_new_tokens)
+    meta.update(data=args.data or "bundled sample questions", n=len(examples), seed=args.seed, model=rag.lm.source)
     write_report(records, out, meta)
     print(markdown_table(summarize(load_records(records))))
+    if args.contexts != "none":
+        _speed_sweep(args, rag, methods, 0.15, meta, store)
+    print(f"results in {out}/ (summary.md, summary.json, records.jsonl, PNG plots)", file=sys.stderr)
     return 0
+
+
+def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float, meta: dict, store: str, random_weights: bool = False) -> None:
+    from kvrag.eval.runner import Setting
+    from kvrag.eval.speed import parse_sizes, speed_markdown, speed_sweep, write_speed
+
+    settings = [Setting("full"), Setting("reuse")] + [Setting(m, ratio) for m in methods if m not in ("full", "reuse")]
+    rows = speed_sweep(rag, parse_sizes(args.contexts), settings, chunk_tokens=args.chunk_tokens, repeats=args.repeats)
+    meta = {**meta, "model": rag.lm.source, "device": str(rag.lm.device), "dtype": str(rag.lm.dtype).replace("torch.", ""),
+            "chunk_tokens": args.chunk_tokens, "repeats": args.repeats, "store": store, "random_weights": random_weights}
+    write_speed(rows, args.out, meta)
+    print(speed_markdown(rows))
+
+
+def _bench_speed(args: argparse.Namespace, methods: list[str], ratio: float, store: str, meta: dict) -> int:
+    from kvrag.engine import KVRag
+    from kvrag.eval.speed import RANDOM_WEIGHTS_NOTE, random_model
+    from kvrag.model import load_model
+
+    if args.shape and not args.random_weights:
+        raise KVRagError("--shape builds a model with random weights (nothing is downloaded): add --random-weights")
+    if args.random_weights and not args.shape:
+        raise KVRagError("--random-weights needs --shape NAME (see kvrag/shapes/)")
+    if args.shape:
+        tokenizer = load_model(args.model).tokenizer  # any tokenizer will do for timing; ids fit every shape's vocab
+        rag = KVRag(random_model(args.shape, tokenizer, device=args.device, dtype=args.dtype), store=store)
+        print(f"{args.shape}: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
+    else:
+        rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype)
+    _speed_sweep(args, rag, methods, ratio, meta, store, random_weights=bool(args.shape))
+    print(f"results in {args.out}/ (speed.md, speed.json, ttft_vs_context.png)", file=sys.stderr)
+    return 0
+
+
+def cmd_check_model(args: argparse.Namespace) -> int:
+    from kvrag.check import cmd_check_model as check
+
+    return check(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvrag.demo_launch import launch
+
+    print(f"kvrag demo on http://{args.address}:{args.port} (Ctrl-C stops it)", file=sys.stderr)
+    return launch(port=args.port, address=args.address)
 
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
@@ -255,6 +338,8 @@ def cmd_bench_deviation(args: argparse.Namespace) -> int:
 COMMANDS = {
     "bench-deviation": cmd_bench_deviation,
     "bench-store": cmd_bench_store,
+    "check-model": cmd_check_model,
+    "demo": cmd_demo,
     "ingest": cmd_ingest,
     "ask": cmd_ask,
     "quickstart": cmd_quickstart,
@@ -264,7 +349,9 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:

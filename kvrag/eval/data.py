@@ -43,3 +43,27 @@ def load_examples(path: str | Path, n: int | None = None, seed: int = 0) -> list
     if n is not None and n < len(rows):
         rows = random.Random(seed).sample(rows, n)
     return rows
+
+
+def sample_examples(n: int | None = None, seed: int = 0, chunks_per_question: int = 6) -> list[Example]:
+    """Examples from the bundled sample corpus and questions, for a benchmark with no dataset at hand.
+
+    Each question gets its own document's chunks plus other documents' chunks as distractors, in a
+    seeded order, so the gold passage is not always first.
+    """
+    from kvrag.cli import sample_corpus_dir, sample_questions
+    from kvrag.documents import load_documents
+
+    chunks = load_documents([sample_corpus_dir()])
+    rng = random.Random(seed)
+    out = []
+    for i, q in enumerate(sample_questions()):
+        doc = [c for c in chunks if Path(str(c.metadata.get("source", ""))).name == q["file"]]
+        gold = [c for c in doc if q["answer"].lower() in c.text.lower()][:1] or doc[:1]
+        others = [c for c in chunks if c not in gold]
+        picked = gold + rng.sample(others, chunks_per_question - len(gold))
+        rng.shuffle(picked)
+        out.append(Example(f"sample-{i}", q["question"], [q["answer"]], picked))
+    if n is not None and n < len(out):
+        out = random.Random(seed).sample(out, n)
+    return out

@@ -59,8 +59,10 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[m] = sum(vals) / len(vals)
             row[m + "_ci"] = bootstrap_ci(vals)
         row["ttft_ratio"] = statistics.median(r["full_ttft_s"] / max(r["ttft_s"], 1e-9) for r in rs)
-        for part in ("ttft_s", "load_s", "stitch_s", "select_s", "recompute_s"):
-            row[part] = statistics.median(r[part] for r in rs)
+        for part in ("ttft_s", "load_s", "stitch_s", "select_s", "recompute_s", "prefill_s"):
+            row[part] = statistics.median(r.get(part, 0.0) for r in rs)
+        per_token = [r["bytes_loaded"] / r["context_tokens"] for r in rs if r.get("bytes_loaded") and r.get("context_tokens")]
+        row["store_bytes_per_token"] = statistics.median(per_token) if per_token else None  # None: nothing loaded
         row["recomputed_share"] = sum(r["recomputed_tokens"] for r in rs) / max(1, sum(r["context_tokens"] for r in rs))
         span = full_score - reuse_score
         row["normalized"] = (row["contains"] - reuse_score) / span if abs(span) > 1e-9 else float("nan")
@@ -77,31 +79,66 @@ def _mean(rs: list[dict[str, Any]], key: str) -> float:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Quality: task score, fidelity to Full Attention (95% bootstrap intervals) and the normalised score."""
     head = (
         "| setting | n | recomputed | kept KV | answer-contained | F1 | agreement w/ Full | F1 vs Full | first-token KL | "
-        "normalised | TTFT ms (median) | TTFT Full ÷ method | peak KV MB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "normalised | TTFT Full ÷ method |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lo, hi = r["agree_ci"]
+        clo, chi = r["contains_ci"]
         lines.append(
             f"| {r['setting']} | {r['n']} | {r['recomputed_share']:.0%} | {r.get('kept_kv_ratio', 1.0):.0%} | "
-            f"{r['contains']:.3f} | {r['f1']:.3f} | {r['agree']:.3f} [{lo:.2f}, {hi:.2f}] | {r['agree_f1']:.3f} | {r['kl']:.3f} | "
-            f"{r['normalized']:.2f} | {r['ttft_s'] * 1000:.0f} | {r['ttft_ratio']:.1f}× | "
-            f"{'–' if r.get('peak_kv_mb') is None else format(r['peak_kv_mb'], '.1f')} |"
+            f"{r['contains']:.3f} [{clo:.2f}, {chi:.2f}] | {r['f1']:.3f} | {r['agree']:.3f} [{lo:.2f}, {hi:.2f}] | "
+            f"{r['agree_f1']:.3f} | {r['kl']:.3f} | {r['normalized']:.2f} | {r['ttft_ratio']:.1f}× |"
         )
     return head + "\n".join(lines) + "\n"
 
 
+def speed_table(rows: list[dict[str, Any]]) -> str:
+    """Speed and memory: where TTFT goes (medians, ms), decode rate, KV held and store bytes per token."""
+    head = (
+        "| setting | TTFT ms | load | stitch | select | recompute + question | full prefill | TTFT Full ÷ method | "
+        "decode tok/s | peak KV MB | store bytes/token |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    ms = lambda v: f"{v * 1000:.0f}"  # noqa: E731
+    lines = []
+    for r in rows:
+        bpt = r.get("store_bytes_per_token")
+        lines.append(
+            f"| {r['setting']} | {ms(r['ttft_s'])} | {ms(r['load_s'])} | {ms(r['stitch_s'])} | {ms(r['select_s'])} | "
+            f"{ms(r['recompute_s'])} | {ms(r.get('prefill_s', 0.0))} | {r['ttft_ratio']:.1f}× | {r['decode_tok_s']:.1f} | "
+            f"{'–' if r.get('peak_kv_mb') is None else format(r['peak_kv_mb'], '.1f')} | "
+            f"{'–' if bpt is None else format(bpt, ',.0f')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def hardware_line(hw: dict[str, Any]) -> str:
+    """One human sentence for the hardware a run was measured on."""
+    parts = [hw.get("gpu") or f"{hw.get('cpu', hw.get('processor', '?'))}, {hw.get('cores', '?')} cores"]
+    parts.append(f"{hw.get('threads', '?')} torch threads, torch {hw.get('torch', '?')}, Python {hw.get('python', '?')}")
+    return "; ".join(parts)
+
+
 def write_report(records_path: str | Path, out_dir: str | Path, meta: dict[str, Any]) -> tuple[Path, Path]:
+    """summary.json, summary.md and (matplotlib permitting) quality_vs_ratio.png beside the records."""
+    from kvrag.eval.plots import quality_vs_ratio
+
     rows = summarize(load_records(records_path))
     out = Path(out_dir)
     summary = out / "summary.json"
     summary.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot = quality_vs_ratio(rows, out / "quality_vs_ratio.png", title=f"{Path(str(meta.get('data', ''))).stem}, n={meta.get('n')}")
     md = out / "summary.md"
     md.write_text(
-        f"# kvrag bench\n\n`{meta.get('command', '')}`\n\nhardware: {json.dumps(meta.get('hardware', {}))}\n\n"
-        f"data: {meta.get('data')} (n={meta.get('n')}, seed={meta.get('seed')}), model: {meta.get('model')}\n\n"
-        + markdown_table(rows)
+        f"# kvrag bench\n\n`{meta.get('command', '')}`\n\nhardware: {hardware_line(meta.get('hardware', {}))}\n\n"
+        f"data: {meta.get('data')} (n={meta.get('n')}, seed={meta.get('seed')}), model: {meta.get('model')}, "
+        f"{meta.get('max_new_tokens', '?')} new tokens, greedy\n\n"
+        "Normalised = (m − reuse) / (Full − reuse) on answer-contained (FusionRAG's definition); "
+        "TTFT ratios are medians of per-question Full ÷ method pairs from this run.\n\n"
+        "## Quality\n\n" + markdown_table(rows) + "\n## Speed and memory\n\n" + speed_table(rows)
+        + (f"\n![quality vs recompute ratio]({plot.name})\n" if plot else "")
     )
     return summary, md

@@ -1,0 +1,104 @@
+"""The benchmark harness: records, resume, the report and its plots, and `kvrag bench --quick` end to end."""
+
+import json
+
+import pytest
+
+from kvrag import KVRag, from_model
+from kvrag.cli import main
+from kvrag.eval.data import Example, sample_examples
+from kvrag.eval.report import load_records, summarize, write_report
+from kvrag.eval.runner import Setting, make_settings, run
+from kvrag.eval.speed import corpus_chunks, parse_sizes, shape_config, shape_names, speed_sweep
+from kvrag.types import Chunk
+from tiny import tiny_model, tiny_tokenizer
+
+EXAMPLES = [
+    Example(
+        f"ex{i}",
+        f"What does document {i} say?",
+        [f"fact {i}"],
+        [Chunk(f"c{i}-{j}", f"Document {i}.{j} states fact {i * 10 + j} about topic {j}.") for j in range(3)],
+    )
+    for i in range(3)
+]
+
+
+def tiny_rag():
+    return KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://")
+
+
+def test_run_writes_one_record_per_example_and_setting_and_resumes(tmp_path):
+    settings = make_settings(["cacheblend", "fusionrag"], [0.15, 0.5])
+    assert [s.name for s in settings] == ["full", "reuse", "cacheblend@0.15", "cacheblend@0.5", "fusionrag@0.15", "fusionrag@0.5"]
+    rag = tiny_rag()
+    path = run(rag, EXAMPLES[:2], settings, tmp_path, max_new_tokens=3, progress=False)
+    assert len(load_records(path)) == 2 * len(settings)
+    # An interrupted run (here: a third example added) picks up only what is missing.
+    run(rag, EXAMPLES, settings, tmp_path, max_new_tokens=3, progress=False)
+    records = load_records(path)
+    assert len(records) == 3 * len(settings)
+    assert len({(r["example"], r["setting"]) for r in records}) == len(records)
+
+
+def test_summary_is_sane_and_the_report_has_tables_and_plot(tmp_path):
+    rag = tiny_rag()
+    path = run(rag, EXAMPLES, make_settings(["epic"], [0.3]), tmp_path, max_new_tokens=3, progress=False)
+    rows = {r["setting"]: r for r in summarize(load_records(path))}
+    assert rows["full"]["agree"] == 1.0 and rows["full"]["kl"] == 0.0 and rows["full"]["recomputed_share"] == 1.0
+    assert rows["reuse"]["recomputed_share"] == 0.0 and rows["reuse"]["store_bytes_per_token"] > 0
+    assert 0.25 <= rows["epic@0.3"]["recomputed_share"] <= 0.35
+    lo, hi = rows["reuse"]["agree_ci"]
+    assert 0.0 <= lo <= rows["reuse"]["agree"] <= hi <= 1.0
+    summary, md = write_report(path, tmp_path, {"command": "kvrag bench test", "hardware": {"cpu": "x", "cores": 2}, "n": 3})
+    text = md.read_text()
+    assert "## Quality" in text and "## Speed and memory" in text and "epic@0.3" in text
+    assert (tmp_path / "quality_vs_ratio.png").stat().st_size > 1000
+    assert json.loads(summary.read_text())["rows"][0]["setting"] == "full"
+
+
+def test_speed_sweep_pairs_every_setting_with_full():
+    rag = tiny_rag()
+    rows = speed_sweep(rag, [64, 128], [Setting("reuse"), Setting("a3", 0.15)], chunk_tokens=32, repeats=2, progress=False)
+    assert [(r["setting"], r["chunks"]) for r in rows] == [(s, n) for n in (2, 4) for s in ("full", "reuse", "a3@0.15")]
+    for r in rows:
+        assert r["ttft_s"] > 0 and r["full_ratio"] > 0
+        assert r["context_tokens"] >= r["chunks"] * 32
+    assert {r["full_ratio"] for r in rows if r["setting"] == "full"} == {1.0}
+
+
+def test_sizes_shapes_and_sample_data():
+    assert parse_sizes("512, 1k,4K") == [512, 1024, 4096]
+    assert {"llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"} <= set(shape_names())
+    cfg = shape_config("llama-3.1-8b")
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size) == (32, 8, 4096)
+    with pytest.raises(ValueError, match="unknown shape"):
+        shape_config("gpt-9")
+    chunks = corpus_chunks(tiny_tokenizer(), 3, 50)
+    assert len({c.text for c in chunks}) == 3
+    examples = sample_examples(seed=1)
+    assert len(examples) >= 10
+    for ex in examples:
+        assert len(ex.chunks) == 6 and any(ex.answers[0].lower() in c.text.lower() for c in ex.chunks)
+
+
+@pytest.mark.smollm
+def test_quick_bench_end_to_end(kvrag_home, tmp_path, capsys):
+    out = tmp_path / "quick"
+    assert main(["bench", "--quick", "--n", "2", "--contexts", "256,512", "--out", str(out)]) == 0
+    for name in ("records.jsonl", "summary.json", "summary.md", "quality_vs_ratio.png", "speed.json", "speed.md", "ttft_vs_context.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    rows = {r["setting"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    assert {"full", "reuse", "cacheblend@0.15", "epic@0.3", "a3@0.15", "fusionrag@0.3", "samkv@0.15"} <= set(rows)
+    assert rows["full"]["agree"] == 1.0 and rows["reuse"]["ttft_ratio"] > 1.0  # reuse skips the chunk prefill
+    assert rows["samkv@0.15"]["kept_kv_ratio"] < 1.0
+    speed = json.loads((out / "speed.json").read_text())
+    assert {r["context_tokens"] // 100 for r in speed["rows"]} and speed["meta"]["random_weights"] is False
+    assert "## Quality" in (out / "summary.md").read_text()
+
+
+def test_bench_input_errors(tmp_path, capsys):
+    assert main(["bench", "--out", str(tmp_path)]) == 2
+    assert "--data" in capsys.readouterr().err
+    assert main(["bench", "speed", "--shape", "llama-3.2-1b", "--out", str(tmp_path)]) == 2
+    assert "--random-weights" in capsys.readouterr().err
