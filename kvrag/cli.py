@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios (speed mode: the first is used)")
     bench.add_argument("--similarity", action="store_true", help="also run FusionRAG's similarity-guided entries")
     bench.add_argument("--max-new-tokens", type=int, default=24)
-    bench.add_argument("--contexts", default=None,
+    bench.add_argument("--contexts", "--context", dest="contexts", default=None,
                        help="context sizes for the TTFT-vs-length sweep, e.g. 512,1k,2k,4k ('none' skips it in quality mode)")
     bench.add_argument("--chunk-tokens", type=int, default=None, help="speed sweep: tokens per chunk (default 400; 128 with --quick)")
     bench.add_argument("--repeats", type=int, default=3, help="speed sweep: repeats per point (medians)")
