@@ -2,6 +2,7 @@
 
 from kvrag.engine import AnswerStream, KVRag, Prefill, PrecomputeReport
 from kvrag.errors import (
+    AdapterMismatchError,
     ChunkNotFoundError,
     ContextTooLongError,
     EmptyRetrievalError,
@@ -15,6 +16,7 @@ from kvrag.types import Answer, AnswerStats, Chunk
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterMismatchError",
     "Answer",
     "AnswerStats",
     "AnswerStream",

@@ -25,6 +25,7 @@ class SpliceLayer(DynamicLayer):
         self.keys, self.values = keys, values
         self.overwrite_at: torch.Tensor | None = None
         self.mode = "overwrite"
+        self.exact: torch.Tensor | None = None  # bool per overwritten slot: always overwrite, never blend
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
         idx = self.overwrite_at
@@ -32,8 +33,12 @@ class SpliceLayer(DynamicLayer):
             n = idx.numel()
             new_k, new_v = key_states[:, :, :n].to(self.keys.dtype), value_states[:, :, :n].to(self.values.dtype)
             if self.mode == "fusion":
-                new_k = fuse_by_cosine(new_k, self.keys.index_select(2, idx))
-                new_v = fuse_by_cosine(new_v, self.values.index_select(2, idx))
+                fused_k = fuse_by_cosine(new_k, self.keys.index_select(2, idx))
+                fused_v = fuse_by_cosine(new_v, self.values.index_select(2, idx))
+                if self.exact is not None and bool(self.exact.any()):
+                    keep_new = self.exact.to(new_k.device)[None, None, :, None]
+                    fused_k, fused_v = torch.where(keep_new, new_k, fused_k), torch.where(keep_new, new_v, fused_v)
+                new_k, new_v = fused_k, fused_v
             self.keys.index_copy_(2, idx, new_k)
             self.values.index_copy_(2, idx, new_v)
             key_states, value_states = key_states[:, :, n:], value_states[:, :, n:]
@@ -49,16 +54,19 @@ class SpliceCache(Cache):
     def __init__(self, kv: Sequence[KV]) -> None:
         super().__init__(layers=[SpliceLayer(k, v) for k, v in kv])
 
-    def overwrite(self, slots: torch.Tensor | None, mode: str = "overwrite") -> None:
+    def overwrite(self, slots: torch.Tensor | None, mode: str = "overwrite", exact: torch.Tensor | None = None) -> None:
         """The next forward's first len(slots) tokens write into these slots (None: append only).
 
-        mode "overwrite" replaces the old KV; "fusion" blends new and old by their cosine (SamKV eq. 4).
+        mode "overwrite" replaces the old KV; "fusion" blends new and old by their cosine (SamKV eq. 4),
+        except where `exact` (bool per slot) is set: those slots (KVLink link slots, empty before
+        the pass) are overwritten in either mode.
         """
         if mode not in ("overwrite", "fusion"):
             raise ValueError(f"update mode must be 'overwrite' or 'fusion', got {mode!r}")
         for layer in self.layers:
             layer.overwrite_at = slots
             layer.mode = mode
+            layer.exact = exact
 
 
 def fuse_by_cosine(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

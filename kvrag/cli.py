@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     from kvrag.check import add_check_model_parser
 
     add_check_model_parser(sub)
+    from kvrag.train import add_train_links_parser
+
+    add_train_links_parser(sub)
     demo = sub.add_parser("demo", help="the Streamlit demo: ask, compare with Full Attention, see what was recomputed")
     demo.add_argument("--port", type=int, default=8501)
     demo.add_argument("--address", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
@@ -306,6 +309,12 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     return check(args)
 
 
+def cmd_train_links(args: argparse.Namespace) -> int:
+    from kvrag.train import cmd_train_links as train
+
+    return train(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvrag.demo_launch import launch
 
@@ -340,6 +349,7 @@ COMMANDS = {
     "bench-store": cmd_bench_store,
     "check-model": cmd_check_model,
     "demo": cmd_demo,
+    "train-links": cmd_train_links,
     "ingest": cmd_ingest,
     "ask": cmd_ask,
     "quickstart": cmd_quickstart,

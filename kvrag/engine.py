@@ -19,7 +19,9 @@ from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError, EmptyRetrievalError
 from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
 from kvrag.layout import PromptLayout, Segments
+from kvrag.links import LinkAdapter, apply_adapter, check_adapter, load_adapter, resolve_link_rows, shipped_adapter_path
 from kvrag.methods import Method, SelectContext, get_method, token_budget
+from kvrag.methods.kvlink import KVLink
 from kvrag.evict import SnapKV
 from kvrag.model import LoadedModel, decoder_of, kvrag_home, load_model
 from kvrag.probe import ProbeResult, capture_queries
@@ -114,11 +116,29 @@ class KVRag:
         layout: PromptLayout | None = None,
         batch_size: int = 8,
         check: bool = True,
+        link_adapter: str | Path | LinkAdapter | None = "auto",
+        *,
+        _adapter_in_place: bool = False,
         **layout_kwargs: Any,
     ) -> None:
         """`check=True` runs the per-model correctness gate (`kvrag.check.gate`) once per model
         fingerprint and device type (its verdict is cached under $KVRAG_HOME/checks) and raises
-        UnsupportedModelError, naming the failing check, for a model kvrag cannot serve exactly."""
+        UnsupportedModelError, naming the failing check, for a model kvrag cannot serve exactly.
+
+        `link_adapter`: the KVLink adapter `method="kvlink"` uses. "auto" (default) is the adapter
+        shipped for the bundled model (links-only), none for other models; None: no adapter; a
+        path or a `LinkAdapter`: that adapter, checked against this model and layout
+        (AdapterMismatchError otherwise). An adapter with LoRA or full weights changes the model:
+        the engine then serves a merged copy (every method, with its own fingerprint and caches)."""
+        layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
+        self._link_adapter: LinkAdapter | None = None
+        self._link_adapter_auto = link_adapter == "auto"
+        self._default_links: dict[int, torch.Tensor] = {}
+        if not self._link_adapter_auto and link_adapter is not None:
+            adapter = link_adapter if isinstance(link_adapter, LinkAdapter) else load_adapter(link_adapter)
+            check_adapter(adapter, lm, layout.identity, where=str(link_adapter) if not isinstance(link_adapter, LinkAdapter) else "link adapter")
+            lm = apply_adapter(lm, adapter, inplace=_adapter_in_place)
+            self._link_adapter = adapter
         if check:
             from kvrag.check import gate
 
@@ -127,7 +147,7 @@ class KVRag:
             self.check_report = None
         self.lm = lm
         self.store: KVStore = store if store is not None and not isinstance(store, str) else open_store(store, default_root=kvrag_home() / "kv")
-        self.layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
+        self.layout = layout
         self.rotary = Rotary(lm.model)
         self.computer = KVComputer(lm, self.rotary)
         self.batch_size = batch_size
@@ -145,6 +165,7 @@ class KVRag:
         device: str = "auto",
         dtype: str = "auto",
         check: bool = True,
+        link_adapter: str | Path | LinkAdapter | None = "auto",
         **kwargs: Any,
     ) -> "KVRag":
         """Load a model (default: the bundled SmolLM2-135M-Instruct) and open a store (default: disk under $KVRAG_HOME).
@@ -152,9 +173,29 @@ class KVRag:
         `device`: "auto" (CUDA when a GPU is there, else CPU), "cuda", "cuda:N" or "cpu". `dtype`:
         "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16" or "float32". Stored
         entries record their dtype and are cast to the engine's on load. `check=False` skips the
-        per-model correctness gate (see `KVRag.__init__`).
+        per-model correctness gate (see `KVRag.__init__`). `link_adapter`: the KVLink adapter (see
+        `KVRag.__init__`); one with LoRA/full weights is merged into the freshly loaded model.
         """
-        return cls(load_model(model, device=device, dtype=dtype), store=store, check=check, **kwargs)
+        lm = load_model(model, device=device, dtype=dtype)
+        return cls(lm, store=store, check=check, link_adapter=link_adapter, _adapter_in_place=True, **kwargs)
+
+    @property
+    def link_adapter(self) -> LinkAdapter | None:
+        """The KVLink adapter in use (resolving "auto" on first use: the shipped one, if it fits)."""
+        if self._link_adapter is None and self._link_adapter_auto:
+            self._link_adapter_auto = False
+            path = shipped_adapter_path(self.lm)
+            if path is not None:
+                try:
+                    adapter = load_adapter(path, self.lm, self.layout.identity)
+                except Exception as exc:  # a custom system prompt, another dtype...: untrained links
+                    log.warning("not using the shipped link adapter %s: %s", path.name, exc)
+                else:
+                    if adapter.changes_model:
+                        log.warning("the shipped link adapter %s changes the model's weights; pass link_adapter=PATH to use it", path.name)
+                    else:
+                        self._link_adapter = adapter
+        return self._link_adapter
 
     # -- keys and the prefix ------------------------------------------------------------------
     def _key(self, kind: str, token_ids: Sequence[int]) -> str:
@@ -372,10 +413,14 @@ class KVRag:
         meth = get_method(method, **method_params)
         stats = AnswerStats(method=meth.name)
         resolved = self._lookup(chunk_ids, chunks, allow_empty)
-        segments = self.layout.segments(resolved.token_ids, question)
+        links, link_embeds = 0, None
+        if isinstance(meth, KVLink):
+            adapter = self.link_adapter
+            links, link_embeds = resolve_link_rows(self.lm, adapter, meth.link_tokens, len(resolved.token_ids), self._default_links)
+        segments = self.layout.segments(resolved.token_ids, question, links=links)
         self._check_length(segments)
         stats.prompt_tokens = segments.total_len
-        stats.context_tokens = segments.context_len - len(segments.prefix)
+        stats.context_tokens = segments.chunk_tokens
         stats.question_tokens = len(segments.question)
         prefix = self.prefix_kv()
 
@@ -404,7 +449,7 @@ class KVRag:
         selected = meth.select(ctx, token_budget(recompute_ratio, n_chunk))
         t3 = time.perf_counter()
         with self._window(evict, segments) as window:
-            out = recompute(self.lm, stitched, selected, update=meth.update)
+            out = recompute(self.lm, stitched, selected, update=meth.update, link_embeds=link_embeds)
         if window is not None:
             window.key_positions = torch.cat([stitched.positions, torch.arange(segments.context_len, segments.total_len)])
         t4 = time.perf_counter()
@@ -412,6 +457,15 @@ class KVRag:
         stats.recomputed_tokens = int(selected.numel())
         stats.ttft_s = t4 - t0
         return Prefill(out, segments, selected, stats, resolved.chunks, stitched, window)
+
+    @_serialized
+    def stitched(self, chunks: Sequence[Chunk], segments: Segments) -> Stitched:
+        """The stitched context of `chunks` laid out as `segments` (store hits; misses computed and
+        kept), as `prefill` builds it; KVLink training reads its context KV this way."""
+        resolved = self._resolve(chunks)
+        if [list(c) for c in segments.chunks] != resolved.token_ids:
+            raise ValueError("segments do not hold these chunks' token ids")
+        return stitch(self.prefix_kv(), self._load_chunks(resolved, AnswerStats()), segments, self.rotary)
 
     def _load_chunks(self, resolved: _Resolved, stats: AnswerStats, kind: str = KIND_CHUNK) -> list[LayerStack]:
         """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept)."""
@@ -520,6 +574,8 @@ class KVRag:
                 raise ValueError("pass the same evict= to prefill() so the question's queries are captured")
             seg = pre.segments
             protected = (pre.window.key_positions < len(seg.prefix)) | (pre.window.key_positions >= seg.context_len)
+            if seg.links:  # KVLink link tokens are kept like the question
+                protected |= torch.isin(pre.window.key_positions, torch.tensor(seg.link_positions()))
             pre.output.cache = evict.apply(
                 pre.output.cache, pre.window.queries, pre.window.scaling, pre.window.positions, pre.window.key_positions, protected
             )

@@ -26,3 +26,7 @@ class UnsupportedModelError(KVRagError, ValueError):
 
 class ModelLoadError(KVRagError, RuntimeError):
     """The model could not be found or loaded."""
+
+
+class AdapterMismatchError(KVRagError, ValueError):
+    """A KVLink link adapter was trained for another base model or prompt layout (or is not an adapter)."""

@@ -7,6 +7,12 @@ chunk token selected this is exactly Full Attention; with none it is Full Reuse 
 
 The stitched context may be sparse (SamKV keeps a subset of slots): each slot carries its global
 position, the mask compares positions, and keys keep the rotation of their true position.
+
+KVLink link slots (`segments.links > 0`): K empty slots after every chunk. They are part of every
+recompute pass (a selection rule's budget counts chunk tokens only): their inputs are the link
+embeddings, their mask is KVLink's picture (`kvrag.links.link_picture`), and the pass overwrites
+them layer by layer like any recomputed token. In a pass that does not compute them (a selection
+probe) they are hidden.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from kvrag.layout import Segments
 from kvrag.model import LoadedModel
 from kvrag.precompute import LayerStack, unstack_layers
 from kvrag.rope import Rotary
+
+# A key slot no query may see in this pass (a link slot the pass does not compute).
+HIDDEN_POSITION = torch.iinfo(torch.long).max
 
 
 @dataclass
@@ -42,9 +51,16 @@ class Stitched:
         return [(s, s + len(c)) for s, c in zip(self.segments.chunk_starts, self.segments.chunks)]
 
     def chunk_positions(self) -> torch.Tensor:
-        """Positions held here that belong to chunks (the only ones a method may select)."""
+        """Positions held here that belong to chunks (the only ones a method may select; never link slots)."""
         p = self.positions
-        return p[(p >= len(self.segments.prefix)) & (p < self.segments.context_len)]
+        inside = (p >= len(self.segments.prefix)) & (p < self.segments.context_len)
+        if self.segments.links:
+            inside &= ~torch.isin(p, self.link_positions())
+        return p[inside]
+
+    def link_positions(self) -> torch.Tensor:
+        """Positions of the KVLink link slots (empty without links)."""
+        return torch.tensor(self.segments.link_positions(), dtype=torch.long)
 
     def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
         """Slot index of each given global position (which must be held here)."""
@@ -55,9 +71,9 @@ class Stitched:
         return slots
 
     def keep(self, positions: torch.Tensor) -> "Stitched":
-        """A sparser context with only these global positions (sorted; the prefix is always kept)."""
+        """A sparser context with only these global positions (sorted; the prefix and link slots are always kept)."""
         prefix = torch.arange(len(self.segments.prefix))
-        pos = torch.cat([prefix, positions.to(torch.long).cpu()]).unique(sorted=True)
+        pos = torch.cat([prefix, self.link_positions(), positions.to(torch.long).cpu()]).unique(sorted=True)
         slots = self.slots_of(pos).to(self.keys.device)
         return Stitched(self.keys[:, :, slots], self.values[:, :, slots], self.segments, pos)
 
@@ -80,6 +96,10 @@ def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments,
     values = pv.new_empty(*pv.shape[:2], total, pv.shape[3])
     keys[:, :, :n_prefix] = pk
     values[:, :, :n_prefix] = pv
+    if segments.links:  # link slots: empty until the recompute pass computes them
+        link = torch.tensor(segments.link_positions(), device=keys.device)
+        keys[:, :, link] = 0
+        values[:, :, link] = 0
     for start, (k, v) in zip(segments.chunk_starts, chunks):
         end = start + k.shape[2]
         rotary.rotate(k.to(pk.device, pk.dtype), torch.arange(start, end), out=keys[:, :, start:end])
@@ -108,40 +128,87 @@ class PrefillOutput:
 
 
 def pass_inputs(stitched: Stitched, selected: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input ids, positions, and key positions for a pass over `selected` chunk positions + the question."""
+    """input ids, positions, and key positions for a pass over `selected` positions + the question.
+
+    Link slots not among `selected` hold nothing yet: their key position is HIDDEN_POSITION, which
+    the causal rule (here and in a probe's attention) never lets a query see.
+    """
     seg = stitched.segments
     q_pos = torch.arange(seg.context_len, seg.total_len, device=device)
     positions = torch.cat([selected.to(device), q_pos])
     input_ids = torch.tensor(seg.all_ids(), device=device)[positions][None]
-    key_pos = torch.cat([stitched.positions.to(device), q_pos])
+    slot_pos = stitched.positions.to(device)
+    if seg.links:
+        empty = torch.isin(slot_pos, stitched.link_positions().to(device)) & ~torch.isin(slot_pos, selected.to(device))
+        slot_pos = torch.where(empty, torch.full_like(slot_pos, HIDDEN_POSITION), slot_pos)
+    key_pos = torch.cat([slot_pos, q_pos])
     return input_ids, positions, key_pos
 
 
-def forward_pass(lm: LoadedModel, cache: SpliceCache, input_ids: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tensor):
-    """One forward of tokens at `positions` over `cache` whose slots sit at `key_pos`, causal by position."""
+def forward_pass(
+    lm: LoadedModel,
+    cache: SpliceCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    key_pos: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+):
+    """One forward of tokens at `positions` over `cache` whose slots sit at `key_pos`, causal by
+    position unless `attention_mask` is given; `inputs_embeds` replaces the ids' embeddings."""
+    if attention_mask is None:
+        attention_mask = causal_mask_by_position(positions, key_pos, lm.dtype)
+    inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": input_ids}
     return lm.model(
-        input_ids=input_ids,
+        **inputs,
         position_ids=positions[None],
-        attention_mask=causal_mask_by_position(positions, key_pos, lm.dtype),
+        attention_mask=attention_mask,
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     )
 
 
+def pass_mask(stitched: Stitched, positions: torch.Tensor, key_pos: torch.Tensor, selected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The recompute pass's additive mask: causal by position, or KVLink's picture when there are
+    link slots (selected chunk tokens are recomputed, so they are global rows of the picture)."""
+    if not stitched.segments.links:
+        return causal_mask_by_position(positions, key_pos, dtype)
+    from kvrag.links import link_mask
+
+    return link_mask(stitched.segments, positions, key_pos, dtype, global_rows=selected)
+
+
 @torch.no_grad()
-def recompute(lm: LoadedModel, stitched: Stitched, selected: torch.Tensor, update: str = "overwrite") -> PrefillOutput:
-    """The shared recompute pass over `selected` chunk positions plus the question.
+def recompute(
+    lm: LoadedModel,
+    stitched: Stitched,
+    selected: torch.Tensor,
+    update: str = "overwrite",
+    link_embeds: torch.Tensor | None = None,
+) -> PrefillOutput:
+    """The shared recompute pass over `selected` chunk positions, the link slots, and the question.
 
     `update="fusion"` blends the recomputed KV into the reused KV (SamKV eq. 4) instead of
-    overwriting it.
+    overwriting it (link slots, which hold nothing to blend with, are always overwritten).
+    `link_embeds` [link slots, hidden]: the inputs of the link slots, in position order.
     """
     device = lm.device
     selected = selected.to(device=device, dtype=torch.long).sort().values
-    input_ids, positions, key_pos = pass_inputs(stitched, selected, device)
+    links = stitched.link_positions().to(device)
+    rows = torch.cat([selected, links]).sort().values if links.numel() else selected
+    input_ids, positions, key_pos = pass_inputs(stitched, rows, device)
+    embeds = None
+    if links.numel():
+        if link_embeds is None:
+            raise ValueError("the stitched context has link slots: pass their embeddings (link_embeds)")
+        from kvrag.links import embed_with_links
+
+        embeds = embed_with_links(lm.model, input_ids, torch.isin(positions, links)[None], link_embeds.to(device))
     cache = SpliceCache(unstack_layers(stitched.keys, stitched.values))
-    cache.overwrite(stitched.slots_of(selected).to(device) if selected.numel() else None, mode=update)
-    out = forward_pass(lm, cache, input_ids, positions, key_pos)
+    exact = torch.isin(rows, links) if links.numel() else None
+    cache.overwrite(stitched.slots_of(rows).to(device) if rows.numel() else None, mode=update, exact=exact)
+    out = forward_pass(lm, cache, input_ids, positions, key_pos, pass_mask(stitched, positions, key_pos, selected, lm.dtype), embeds)
     cache.overwrite(None)
     return PrefillOutput(out.logits[0, -1].float(), cache, stitched.segments.total_len)
 

@@ -14,6 +14,9 @@ from kvrag.types import Chunk
 
 # Bump when the way segments are built or tokenised changes: old cache entries become misses.
 LAYOUT_VERSION = "1"
+# The input id a link slot carries in `Segments.all_ids` (never embedded: link slots take the link
+# adapter's embedding rows instead).
+LINK_PLACEHOLDER = 0
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents below. "
@@ -29,33 +32,49 @@ _Q = "\x00KVRAG_QUESTION\x00"
 
 @dataclass(frozen=True)
 class Segments:
-    """Token ids of one prompt, segment by segment, with each segment's start position."""
+    """Token ids of one prompt, segment by segment, with each segment's start position.
+
+    `links` (KVLink): that many link-token slots follow every chunk, so chunk n starts after the
+    previous chunks and their links. Link slots carry no token id of their own (`LINK_PLACEHOLDER`
+    in `all_ids`); their inputs are the link adapter's embedding rows.
+    """
 
     prefix: list[int]
     chunks: list[list[int]]
     question: list[int]
+    links: int = 0
 
     @property
     def chunk_starts(self) -> list[int]:
         starts, pos = [], len(self.prefix)
         for c in self.chunks:
             starts.append(pos)
-            pos += len(c)
+            pos += len(c) + self.links
         return starts
 
     @property
+    def chunk_tokens(self) -> int:
+        """Tokens inside chunks (link slots not counted)."""
+        return sum(len(c) for c in self.chunks)
+
+    @property
     def context_len(self) -> int:
-        """Tokens before the question: prefix + chunks."""
-        return len(self.prefix) + sum(len(c) for c in self.chunks)
+        """Tokens before the question: prefix + chunks (+ their link slots)."""
+        return len(self.prefix) + self.chunk_tokens + self.links * len(self.chunks)
 
     @property
     def total_len(self) -> int:
         return self.context_len + len(self.question)
 
+    def link_positions(self) -> list[int]:
+        """Positions of the link slots: `links` of them right after each chunk."""
+        return [s + len(c) + i for s, c in zip(self.chunk_starts, self.chunks) for i in range(self.links)]
+
     def all_ids(self) -> list[int]:
         ids = list(self.prefix)
         for c in self.chunks:
             ids.extend(c)
+            ids.extend([LINK_PLACEHOLDER] * self.links)
         ids.extend(self.question)
         return ids
 
@@ -130,8 +149,11 @@ class PromptLayout:
     def question_ids(self, question: str) -> list[int]:
         return self._encode(self.question_template.format(question=question)) + self.suffix_ids
 
-    def segments(self, chunk_ids: Sequence[list[int]], question: str) -> Segments:
-        return Segments(prefix=list(self.prefix_ids), chunks=[list(c) for c in chunk_ids], question=self.question_ids(question))
+    def segments(self, chunk_ids: Sequence[list[int]], question: str, links: int = 0) -> Segments:
+        """The prompt's segments; `links` KVLink link slots after every chunk (never part of a cache key)."""
+        return Segments(
+            prefix=list(self.prefix_ids), chunks=[list(c) for c in chunk_ids], question=self.question_ids(question), links=int(links)
+        )
 
     def prompt_text(self, chunks: Sequence[Chunk], question: str) -> str:
         """The prompt as one string (what a plain LLM call would see), for display and debugging."""

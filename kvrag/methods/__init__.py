@@ -9,6 +9,7 @@ from kvrag.methods.base import Method, ScoredMethod, SelectContext, token_budget
 from kvrag.methods.baselines import FullAttention, FullReuse
 from kvrag.methods.cacheblend import CacheBlend
 from kvrag.methods.epic import Epic
+from kvrag.methods.kvlink import KVLink
 from kvrag.methods.samkv import SamKV
 
 METHODS: dict[str, type[Method]] = {}
@@ -20,7 +21,7 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-for _cls in (FullAttention, FullReuse, CacheBlend, Epic, A3, FusionRAG, SamKV):
+for _cls in (FullAttention, FullReuse, CacheBlend, Epic, A3, FusionRAG, SamKV, KVLink):
     register(_cls)
 
 
@@ -29,6 +30,8 @@ def get_method(name: str | Method, **params: Any) -> Method:
         if params:
             raise TypeError("method parameters go to the method's constructor when passing an instance")
         return name
+    if isinstance(name, str) and name.startswith(KVLink.name + "+"):  # "kvlink+a3": KVLink over a selection rule
+        return KVLink(select=name[len(KVLink.name) + 1 :], **params)
     try:
         cls = METHODS[name]
     except KeyError:

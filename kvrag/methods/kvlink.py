@@ -1,0 +1,40 @@
+"""KVLink: K link tokens after every cached chunk, computed in the shared recompute pass.
+
+The method itself is a selection rule like the others (by default none: `select="reuse"`) plus a
+number of link tokens; the engine adds the link slots to the layout, and the one recompute pass
+computes them with KVLink's attention picture (`kvrag.links`). Composing: `select="a3"` (or
+`method="kvlink+a3"`) recomputes the a3-chosen chunk tokens in the same pass (those tokens attend
+causally to everything before them, as recomputation does), and `select="samkv"` keeps SamKV's
+sparse cache, in which link slots are always kept. The budget counts chunk tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvrag.methods.base import Method, SelectContext
+
+
+class KVLink(Method):
+    """KVLink: trainable link tokens joining separately cached chunks (+ an optional selection rule)."""
+
+    name = "kvlink"
+
+    def __init__(self, link_tokens: int | None = None, select: str | Method = "reuse", **select_params: Any) -> None:
+        from kvrag.methods import get_method
+
+        if link_tokens is not None and int(link_tokens) < 0:
+            raise ValueError(f"link_tokens must be >= 0, got {link_tokens}")
+        self.link_tokens = None if link_tokens is None else int(link_tokens)
+        self.inner = get_method(select, **select_params)
+        if self.inner.full_attention or isinstance(self.inner, KVLink):
+            raise ValueError(f"kvlink composes with a selection rule, not with {self.inner.name!r}")
+        self.update = self.inner.update
+
+    def keep(self, ctx: SelectContext) -> torch.Tensor | None:
+        return self.inner.keep(ctx)
+
+    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
+        return self.inner.select(ctx, budget)
