@@ -52,7 +52,7 @@ from safetensors.torch import save_file
 
 from kvrag.errors import AdapterMismatchError
 from kvrag.layout import LAYOUT_VERSION, Segments
-from kvrag.model import LoadedModel, _rope_settings, model_fingerprint, text_config
+from kvrag.model import LoadedModel, architecture_identity, model_fingerprint, text_config
 
 log = logging.getLogger(__name__)
 
@@ -152,18 +152,8 @@ def base_identity(model: Any) -> str:
 
     An adapter trained on the fp32 model is then accepted over the same model loaded in bf16 on a GPU.
     """
-    cfg = text_config(model)
     h = hashlib.sha256()
-    ident = {
-        "arch": type(model).__name__,
-        "layers": cfg.num_hidden_layers,
-        "hidden": cfg.hidden_size,
-        "heads": cfg.num_attention_heads,
-        "kv_heads": getattr(cfg, "num_key_value_heads", None),
-        "head_dim": getattr(cfg, "head_dim", None),
-        "vocab": cfg.vocab_size,
-        "rope": _rope_settings(cfg),
-    }
+    ident = architecture_identity(model)
     h.update(json.dumps(ident, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -283,15 +283,10 @@ def _rope_settings(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def model_fingerprint(model: Any) -> str:
-    """Architecture + shapes + rope settings + dtype + a sample of the actual weight values.
-
-    Sampling the loaded tensors (rather than hashing files) identifies the weights whatever the
-    format they came from, in milliseconds, and separates fine-tunes of one architecture.
-    """
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    h = hashlib.sha256()
-    ident = {
+def architecture_identity(model: Any) -> dict[str, Any]:
+    """The architecture fields every model identity starts from: class, shapes and rope settings."""
+    cfg = text_config(model)
+    return {
         "arch": type(model).__name__,
         "layers": cfg.num_hidden_layers,
         "hidden": cfg.hidden_size,
@@ -300,8 +295,17 @@ def model_fingerprint(model: Any) -> str:
         "head_dim": getattr(cfg, "head_dim", None),
         "vocab": cfg.vocab_size,
         "rope": _rope_settings(cfg),
-        "dtype": str(next(model.parameters()).dtype),
     }
+
+
+def model_fingerprint(model: Any) -> str:
+    """Architecture + shapes + rope settings + dtype + a sample of the actual weight values.
+
+    Sampling the loaded tensors (rather than hashing files) identifies the weights whatever the
+    format they came from, in milliseconds, and separates fine-tunes of one architecture.
+    """
+    h = hashlib.sha256()
+    ident = {**architecture_identity(model), "dtype": str(next(model.parameters()).dtype)}
     h.update(json.dumps(ident, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():

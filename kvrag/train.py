@@ -29,7 +29,7 @@ nq10_dev.jsonl are the evaluation split and refused. Every source file's path, s
 and the rows' own `source` fields go into the adapter's header.
 
 Batching (right-padded micro-batches, one forward per stage), gradient accumulation, AdamW with
-warm-up and cosine decay, fixed seeds; a checkpoint (safetensors + JSON, never pickle) every `--save-every` steps in OUT/checkpoint, which
+warm-up and cosine decay, fixed seeds; a checkpoint (safetensors + JSON only) every `--save-every` steps in OUT/checkpoint, which
 `--resume` continues from exactly; a tqdm bar with the loss; OUT/loss.png; OUT/adapter.safetensors.
 The same command runs on the CPU for the bundled model and on CUDA for bigger ones.
 """
@@ -476,7 +476,7 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """AdamW's state as named tensors (safetensors-friendly, no pickle)."""
+    """AdamW's state as named tensors (safetensors-friendly: tensors and JSON only)."""
     out: dict[str, torch.Tensor] = {}
     for i, p in enumerate(params):
         st = opt.state.get(p)
