@@ -18,7 +18,7 @@ from kvrag.cache import cache_kv, empty_cache
 from kvrag.check import check_model
 from kvrag.methods.base import Method
 from kvrag.rope import Rotary
-from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, tiny_model, tiny_tokenizer
+from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,13 +28,7 @@ TOL = {
 }
 DTYPES = [torch.float32, torch.bfloat16]
 ROPES = {"default": None, "llama3": LLAMA3_ROPE, "yarn": YARN_ROPE}
-CHUNKS = [
-    Chunk("a", "The cat sat on the mat and purred all afternoon."),
-    Chunk("b", "Volcanoes erupt lava, ash and gas from deep below.", title="Geology"),
-    Chunk("c", "Stock markets rose today after the central bank spoke."),
-]
-IDS = [c.id for c in CHUNKS]
-Q = "What did the cat do?"
+CHUNKS, IDS, Q = THREE_CHUNKS, THREE_IDS, THREE_Q
 
 
 @pytest.fixture(autouse=True)

@@ -40,15 +40,9 @@ from kvrag.train import (
     train,
     training_mask,
 )
-from tiny import ARCHS, tiny_model, tiny_tokenizer
+from tiny import ARCHS, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q
 
-CHUNKS = [
-    Chunk("a", "The cat sat on the mat and purred all afternoon."),
-    Chunk("b", "Volcanoes erupt lava, ash and gas from deep below.", title="Geology"),
-    Chunk("c", "Stock markets rose today after the central bank spoke."),
-]
-IDS = [c.id for c in CHUNKS]
-Q = "What did the cat do?"
+CHUNKS, IDS, Q = THREE_CHUNKS, THREE_IDS, THREE_Q
 
 
 def make_rag(arch="llama", seed=0, link_adapter=None, store="memory://", **kw):

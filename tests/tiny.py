@@ -92,3 +92,19 @@ def tiny_model(arch: str = "llama", seed: int = 0, rope_scaling: dict | None = N
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     return model.eval()
+
+
+# Three short chunks and a question shared by tests that only need "some chunks" on a tiny model.
+def _three_chunks():
+    from kvrag import Chunk
+
+    return [
+        Chunk("a", "The cat sat on the mat and purred all afternoon."),
+        Chunk("b", "Volcanoes erupt lava, ash and gas from deep below.", title="Geology"),
+        Chunk("c", "Stock markets rose today after the central bank spoke."),
+    ]
+
+
+THREE_CHUNKS = _three_chunks()
+THREE_IDS = [c.id for c in THREE_CHUNKS]
+THREE_Q = "What did the cat do?"
