@@ -95,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv)")
     bench.add_argument("--device", default="auto")
     bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--merge", default=None, metavar="DIR,DIR,...",
+                       help="no new answers: join the records of runs split across processes into --out and report them")
+    bench.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                       help="a model variant with this KVLink adapter, for settings that say model=NAME "
+                       "(e.g. --adapter lora5=a.safetensors --methods kvlink:link_tokens=5,model=lora5 --ratios 0)")
 
     from kvrag.check import add_check_model_parser
 
@@ -253,6 +258,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     ratios = [float(r) for r in args.ratios.split(",") if r]
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "max_new_tokens": args.max_new_tokens}
+    if args.merge:
+        return _bench_merge(args, out, meta)
     if args.mode == "speed":  # one ratio: the one given first, else 0.15 (the issue's reference point)
         given = any(a.split("=", 1)[0] == "--ratios" for a in args.argv)
         return _bench_speed(args, methods, ratios[0] if given and ratios else 0.15, store, meta)
@@ -261,15 +268,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvrag.eval.data import load_examples, sample_examples
 
     examples = load_examples(args.data, n=args.n, seed=args.seed) if args.data else sample_examples(args.n, args.seed)
+    settings = make_settings(methods, ratios, similarity=args.similarity)
+    adapters = _named_adapters(args.adapter)
+    unknown = sorted({st.model for st in settings if st.model} - set(adapters))
+    if unknown:
+        raise KVRagError(f"--methods names model variants with no --adapter NAME=PATH: {', '.join(unknown)}")
     rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype)
-    records = run(rag, examples, make_settings(methods, ratios, similarity=args.similarity), out, max_new_tokens=args.max_new_tokens)
-    meta.update(data=args.data or "bundled sample questions", n=len(examples), seed=args.seed, model=rag.lm.source)
+    variants = {
+        name: KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype, link_adapter=path)
+        for name, path in adapters.items()
+    }
+    records = run(rag, examples, settings, out, max_new_tokens=args.max_new_tokens, variants=variants)
+    meta.update(data=args.data or "bundled sample questions", n=len(examples), seed=args.seed, model=rag.lm.source,
+                adapters={k: str(v) for k, v in adapters.items()})
     write_report(records, out, meta)
     print(markdown_table(summarize(load_records(records))))
     if args.contexts != "none":
         _speed_sweep(args, rag, methods, 0.15, meta, store)
     print(f"results in {out}/ (summary.md, summary.json, records.jsonl, PNG plots)", file=sys.stderr)
     return 0
+
+
+def _bench_merge(args: argparse.Namespace, out: Path, meta: dict) -> int:
+    from kvrag.eval.report import load_records, markdown_table, merge_records, summarize, write_report
+
+    parts = [Path(d) for d in args.merge.split(",") if d]
+    for d in parts:
+        if not (d / "records.jsonl").is_file():
+            raise KVRagError(f"--merge: no records.jsonl in {d}")
+    first = json.loads((parts[0] / "summary.json").read_text())["meta"] if (parts[0] / "summary.json").is_file() else {}
+    records = merge_records([d / "records.jsonl" for d in parts], out / "records.jsonl")
+    part_commands = [json.loads((d / "summary.json").read_text())["meta"].get("command", "") for d in parts if (d / "summary.json").is_file()]
+    meta = {**first, "command": meta["command"], "parts": part_commands}
+    meta["n"] = len({r["example"] for r in load_records(records)})
+    write_report(records, out, meta)
+    print(markdown_table(summarize(load_records(records))))
+    return 0
+
+
+def _named_adapters(specs: list[str]) -> dict[str, Path]:
+    """`--adapter NAME=PATH` options as a mapping; a missing file is an error before any model loads."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise KVRagError(f"--adapter takes NAME=PATH, got {spec!r}")
+        if not Path(path).expanduser().is_file():
+            raise KVRagError(f"--adapter {name}: no adapter file at {path}")
+        out[name.strip()] = Path(path).expanduser()
+    return out
 
 
 def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float, meta: dict, store: str, random_weights: bool = False) -> None:

@@ -54,6 +54,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvrag.eval.data import parse_range
 from kvrag.fuse import HIDDEN_POSITION
 from kvrag.layout import LINK_PLACEHOLDER, PromptLayout, Segments
 from kvrag.links import (
@@ -129,11 +130,6 @@ class TrainConfig:
 
 
 # -- data ---------------------------------------------------------------------------------------
-def parse_range(spec: str) -> tuple[int, int | None]:
-    start, _, end = spec.partition(":")
-    return int(start or 0), (int(end) if end else None)
-
-
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -102,3 +102,59 @@ def test_bench_input_errors(tmp_path, capsys):
     assert "--data" in capsys.readouterr().err
     assert main(["bench", "speed", "--shape", "llama-3.2-1b", "--out", str(tmp_path)]) == 2
     assert "--random-weights" in capsys.readouterr().err
+
+
+def test_settings_name_model_variants_and_kvlink_runs_at_ratio_zero():
+    settings = make_settings(["kvlink:link_tokens=5,model=lora5", "full:model=lora5", "epic"], [0.0, 0.15])
+    assert [s.name for s in settings] == [
+        "full",
+        "reuse",
+        "kvlink@0[link_tokens=5]{lora5}",
+        "kvlink@0.15[link_tokens=5]{lora5}",
+        "full{lora5}",
+        "epic@0.15",
+    ]
+    assert {s.model for s in settings} == {"", "lora5"}
+
+
+def test_variants_are_scored_against_the_base_models_full_attention(tmp_path):
+    import torch
+
+    base = tiny_rag()
+    same = KVRag(from_model(base.lm.model, base.lm.tokenizer), store="memory://")
+    other_model = tiny_model("llama")
+    with torch.no_grad():
+        for p in other_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    other = KVRag(from_model(other_model, tiny_tokenizer()), store="memory://")
+    settings = make_settings(["full:model=same", "kvlink:link_tokens=0,model=same", "full:model=other"], [0.0])
+    with pytest.raises(ValueError, match="other"):
+        run(base, EXAMPLES[:1], settings, tmp_path, max_new_tokens=3, progress=False, variants={"same": same})
+    path = run(base, EXAMPLES, settings, tmp_path, max_new_tokens=3, progress=False, variants={"same": same, "other": other})
+    by = {(r["example"], r["setting"]): r for r in load_records(path)}
+    for ex in EXAMPLES:
+        twin = by[(ex.id, "full{same}")]
+        assert twin["model"] == "same" and twin["agree"] == 1.0 and twin["kl"] < 1e-6
+        assert by[(ex.id, "kvlink@0[link_tokens=0]{same}")]["answer"] == by[(ex.id, "reuse")]["answer"]
+    assert max(by[(ex.id, "full{other}")]["kl"] for ex in EXAMPLES) > 1e-4  # other weights: scored against the base
+
+
+def test_row_ranges_and_merging_split_runs(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    rows = [{"id": f"r{i}", "question": f"q{i}?", "answers": [f"a{i}"], "ctxs": [{"title": "t", "text": f"text {i}"}]} for i in range(5)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    from kvrag.eval.data import load_examples
+
+    assert [e.id for e in load_examples(f"{data}@1:3")] == ["r1", "r2"]
+    assert [e.id for e in load_examples(f"{data}@3:")] == ["r3", "r4"]
+    rag = tiny_rag()
+    a = run(rag, EXAMPLES, make_settings(["epic"], [0.3]), tmp_path / "a", max_new_tokens=3, progress=False)
+    b = run(rag, EXAMPLES, make_settings(["a3"], [0.3]), tmp_path / "b", max_new_tokens=3, progress=False)
+    assert main(["bench", "--merge", f"{a.parent},{b.parent}", "--out", str(tmp_path / "m")]) == 0
+    merged = load_records(tmp_path / "m" / "records.jsonl")
+    assert len(merged) == len(EXAMPLES) * 4  # full and reuse once each, epic and a3
+    assert "a3@0.3" in (tmp_path / "m" / "summary.md").read_text()
+    assert main(["bench", "--data", str(data), "--adapter", "nopath", "--out", str(tmp_path / "x")]) == 2
+    assert "NAME=PATH" in capsys.readouterr().err
+    assert main(["bench", "--data", str(data), "--adapter", "v=missing.safetensors", "--out", str(tmp_path / "x")]) == 2
+    assert "no adapter file" in capsys.readouterr().err

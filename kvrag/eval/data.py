@@ -20,9 +20,21 @@ class Example:
     gold_index: int | None = None
 
 
+def parse_range(spec: str) -> tuple[int, int | None]:
+    """'1200:1600' -> (1200, 1600); '1200:' -> (1200, None)."""
+    start, _, end = spec.partition(":")
+    return int(start or 0), (int(end) if end else None)
+
+
 def load_examples(path: str | Path, n: int | None = None, seed: int = 0) -> list[Example]:
-    """Read `{id, question, answers[], ctxs[{title,text}], gold_index}` rows; a seeded sample of `n` if given."""
-    path = Path(path)
+    """Read `{id, question, answers[], ctxs[{title,text}], gold_index}` rows; a seeded sample of `n` if given.
+
+    `PATH@START:END` keeps only those rows (0-based, end excluded) before sampling, so an evaluation
+    split such as nq10_dev rows 1200-1599 is named the same way `kvrag train-links` names its rows.
+    """
+    path_s, _, rows_spec = str(path).partition("@")
+    start, end = parse_range(rows_spec) if rows_spec else (0, None)
+    path = Path(path_s)
     if not path.is_file():
         raise FileNotFoundError(f"no dataset at {path}")
     rows = []
@@ -40,6 +52,7 @@ def load_examples(path: str | Path, n: int | None = None, seed: int = 0) -> list
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not an evaluation row ({exc})") from None
+    rows = rows[start:end]
     if n is not None and n < len(rows):
         rows = random.Random(seed).sample(rows, n)
     return rows

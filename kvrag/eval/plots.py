@@ -37,7 +37,7 @@ def quality_vs_ratio(rows: Sequence[dict[str, Any]], path: str | Path, title: st
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
     ends = {r["setting"]: r for r in rows if r["setting"] in ("full", "reuse")}
     for r in rows:
-        if r["method"] not in ("full", "reuse") and r.get("kv_kind", "chunk") == "chunk":
+        if r["method"] not in ("full", "reuse") and r.get("kv_kind", "chunk") == "chunk" and not r.get("model"):
             by_method[r["method"]].append(r)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "agree", "answer agreement with Full Attention"), (axes[1], "normalized", "normalised task score")):

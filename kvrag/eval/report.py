@@ -35,6 +35,27 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
+def merge_records(sources: list[Path], dest: Path) -> Path:
+    """Join the records of runs split across processes (each with its own Full reference) into one file.
+
+    The first record of each (example, setting) pair is kept, so the Full and reuse rows every part
+    repeats are counted once.
+    """
+    seen: set[tuple[str, str]] = set()
+    lines = []
+    for src in sources:
+        for r in load_records(src):
+            key = (r["example"], r["setting"])
+            if key not in seen:
+                seen.add(key)
+                lines.append(json.dumps(r))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + ("\n" if lines else ""))
+    tmp.replace(dest)
+    return dest
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per setting, in first-seen order; TTFT ratio = median of per-example full / method."""
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -52,6 +73,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "method": rs[0]["method"],
             "ratio": rs[0]["ratio"],
             "kv_kind": rs[0].get("kv_kind", "chunk"),
+            "model": rs[0].get("model", ""),
             "n": len(rs),
         }
         for m in METRICS:
@@ -133,7 +155,10 @@ def write_report(records_path: str | Path, out_dir: str | Path, meta: dict[str, 
     plot = quality_vs_ratio(rows, out / "quality_vs_ratio.png", title=f"{Path(str(meta.get('data', ''))).stem}, n={meta.get('n')}")
     md = out / "summary.md"
     md.write_text(
-        f"# kvrag bench\n\n`{meta.get('command', '')}`\n\nhardware: {hardware_line(meta.get('hardware', {}))}\n\n"
+        f"# kvrag bench\n\n`{meta.get('command', '')}`\n\n"
+        + "".join(f"- part: `{c}`\n" for c in meta.get("parts", []))
+        + ("\n" if meta.get("parts") else "")
+        + f"hardware: {hardware_line(meta.get('hardware', {}))}\n\n"
         f"data: {meta.get('data')} (n={meta.get('n')}, seed={meta.get('seed')}), model: {meta.get('model')}, "
         f"{meta.get('max_new_tokens', '?')} new tokens, greedy\n\n"
         "Normalised = (m − reuse) / (Full − reuse) on answer-contained (FusionRAG's definition); "

@@ -12,7 +12,7 @@ import json
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +28,7 @@ class Setting:
     ratio: float = 0.0
     kv_kind: str = KIND_CHUNK
     params: tuple[tuple[str, Any], ...] = ()
+    model: str = ""  # a named model variant (e.g. one with trained KVLink weights); "" is the base model
 
     @property
     def name(self) -> str:
@@ -37,7 +38,8 @@ class Setting:
             base = f"{self.method}@{self.ratio:g}"
         if self.params:
             base += "[" + ",".join(f"{k}={v}" for k, v in self.params) + "]"
-        return base + ("+sim" if self.kv_kind == KIND_SIMILARITY else "")
+        base += "+sim" if self.kv_kind == KIND_SIMILARITY else ""
+        return base + (f"{{{self.model}}}" if self.model else "")
 
 
 def parse_method(spec: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
@@ -62,14 +64,22 @@ def parse_value(v: str) -> Any:
 def make_settings(methods: Sequence[str], ratios: Sequence[float], similarity: bool = False) -> list[Setting]:
     """Full and reuse once each (the two ends), every other method at every ratio (ratio 0 is reuse).
 
-    A method may carry parameters: `samkv:update=fusion`.
+    A method may carry parameters: `samkv:update=fusion`. The parameter `model=NAME` runs the setting
+    on a named model variant (`kvrag bench --adapter NAME=PATH`), `full:model=NAME` included; its
+    answers are still scored against the base model's Full Attention. KVLink is also run at ratio 0
+    (links alone), since its link tokens are computed even when no chunk token is.
     """
     out = [Setting("full"), Setting("reuse")]
     parsed = [parse_method(m) for m in methods]
     for m, params in parsed:
+        model = str(dict(params).get("model", ""))
+        params = tuple(p for p in params if p[0] != "model")
         if m in ("full", "reuse"):
+            if model:
+                out.append(Setting(m, params=params, model=model))
             continue
-        out += [Setting(m, r, params=params) for r in ratios if r > 0]
+        keep = [r for r in ratios if r > 0 or m.startswith("kvlink")]
+        out += [Setting(m, r, params=params, model=model) for r in keep]
     if similarity:
         out += [Setting("reuse", 0.0, KIND_SIMILARITY)]
         out += [Setting(m, r, KIND_SIMILARITY, p) for m, p in parsed if m not in ("full", "reuse") for r in ratios if r > 0]
@@ -114,6 +124,7 @@ def _record(ex: Example, st: Setting, pre: Prefill, text: str, full_text: str, f
         "example": ex.id,
         "setting": st.name,
         "method": st.method,
+        "model": st.model,
         "ratio": 1.0 if st.method == "full" else st.ratio,
         "kv_kind": st.kv_kind,
         "answer": text,
@@ -146,8 +157,18 @@ def run(
     max_new_tokens: int = 24,
     progress: bool = True,
     similarity_top_n: int = 2,
+    variants: Mapping[str, KVRag] | None = None,
 ) -> Path:
-    """Answer every example under every setting; returns the records file."""
+    """Answer every example under every setting; returns the records file.
+
+    `variants` are other engines (the same model with other weights, e.g. trained KVLink LoRA) that
+    settings name with `Setting.model`; the reference for agreement, KL and the TTFT ratio stays
+    `rag`'s Full Attention.
+    """
+    variants = dict(variants or {})
+    missing = sorted({st.model for st in settings if st.model and st.model not in variants})
+    if missing:
+        raise ValueError(f"settings name model variants that were not given: {', '.join(missing)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = out / "records.jsonl"
@@ -165,18 +186,21 @@ def run(
             if not todo:
                 continue
             rag.precompute(ex.chunks, progress=False)  # offline work, not timed
+            for name in sorted({st.model for st in todo if st.model}):
+                variants[name].precompute(ex.chunks, progress=False)
             ids = [c.id for c in ex.chunks]
             rag.prefill(ex.question, ids, method="reuse")  # warm-up: the store serves from a warm page cache
             full = rag.prefill(ex.question, ids, method="full")
             full_text = rag.decode(full, max_new_tokens=max_new_tokens).answer().text
             for st in todo:
-                if st.method == "full":
+                if st.method == "full" and not st.model:
                     pre, text = full, full_text
                 else:
-                    pre = rag.prefill(
+                    engine = variants[st.model] if st.model else rag
+                    pre = engine.prefill(
                         ex.question, ids, method=st.method, recompute_ratio=st.ratio, kv_kind=st.kv_kind, **dict(st.params)
                     )
-                    text = rag.decode(pre, max_new_tokens=max_new_tokens).answer().text
+                    text = engine.decode(pre, max_new_tokens=max_new_tokens).answer().text
                 f.write(json.dumps(_record(ex, st, pre, text, full_text, full)) + "\n")
                 f.flush()
                 bar.update(1)
