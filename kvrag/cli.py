@@ -255,7 +255,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = args.store or f"disk://{(out / 'kv').resolve()}"
-    methods = [m for m in args.methods.split(",") if m]
+    from kvrag.eval.runner import split_methods
+
+    methods = split_methods(args.methods)
     ratios = [float(r) for r in args.ratios.split(",") if r]
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "max_new_tokens": args.max_new_tokens}
     if args.merge:

@@ -105,6 +105,12 @@ def test_bench_input_errors(tmp_path, capsys):
 
 
 def test_settings_name_model_variants_and_kvlink_runs_at_ratio_zero():
+    from kvrag.eval.runner import split_methods
+
+    assert split_methods("kvlink:link_tokens=5,model=lora5, full:model=lora5,epic,samkv:update=fusion,block_size=8") == [
+        "kvlink:link_tokens=5,model=lora5", "full:model=lora5", "epic", "samkv:update=fusion,block_size=8"]
+    with pytest.raises(ValueError, match="before any method"):
+        split_methods("model=x,epic")
     settings = make_settings(["kvlink:link_tokens=5,model=lora5", "full:model=lora5", "epic"], [0.0, 0.15])
     assert [s.name for s in settings] == [
         "full",

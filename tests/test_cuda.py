@@ -18,7 +18,7 @@ from kvrag.cache import cache_kv, empty_cache
 from kvrag.check import check_model
 from kvrag.methods.base import Method
 from kvrag.rope import Rotary
-from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q
+from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, qa_rows, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -126,3 +126,24 @@ def test_auto_picks_cuda_and_bfloat16(tmp_path):
     assert out.stats.cache_misses == 2 and out.stats.generated_tokens > 0
     again = rag.answer(Q, ["a", "b"], max_new_tokens=4)
     assert again.stats.cache_hits == 2
+
+
+@pytest.mark.parametrize("mode", ["links", "lora"])
+def test_kvlink_training_runs_on_cuda_and_its_adapter_serves(tmp_path, mode):
+    """`kvrag train-links` on the GPU: the same recipe as on the CPU, loss finite, adapter loads and answers."""
+    if mode == "lora":
+        pytest.importorskip("peft")
+    from kvrag.links import load_adapter
+    from kvrag.train import TrainConfig, train
+
+    lm = cuda_lm("llama", torch.float32)
+    cfg = TrainConfig(out=str(tmp_path / mode), mode=mode, link_tokens=2, max_chunks=4, max_steps=3, grad_accum=1, lora_r=2,
+                      store="memory://", progress=False)
+    res = train(cfg, lm=lm, rows=qa_rows(3))
+    assert res.steps == 3 and all(l == l and l < 1e4 for l in res.losses)  # finite
+    base = KVRag(lm, store="memory://", check=False, link_adapter=None)
+    adapter = load_adapter(res.adapter_path, lm, base.layout.identity)
+    assert adapter.mode == mode and adapter.embeds.shape[:2] == (4, 2)
+    tuned = KVRag(lm, store="memory://", check=False, link_adapter=res.adapter_path)
+    ans = tuned.answer(Q, chunks=CHUNKS, method="kvlink", max_new_tokens=2)
+    assert ans.stats.generated_tokens > 0 and tuned.lm.device.type == "cuda"

@@ -40,7 +40,7 @@ from kvrag.train import (
     train,
     training_mask,
 )
-from tiny import ARCHS, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q
+from tiny import ARCHS, qa_rows, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q
 
 CHUNKS, IDS, Q = THREE_CHUNKS, THREE_IDS, THREE_Q
 
@@ -72,16 +72,7 @@ def example_of(rag, pre, answer=(5, 6)):
     return Example(pre.segments, list(answer), None, list(CHUNKS))
 
 
-def rows(n=6, seed=0):
-    rng = random.Random(seed)
-    words = ["cat", "mat", "sun", "sea", "red", "owl", "fig", "jam"]
-    out = []
-    for i in range(n):
-        ans = rng.choice(words)
-        ctxs = [{"title": f"T{j}", "text": " ".join(rng.choice(words) for _ in range(6 + (i + j) % 5))} for j in range(4)]
-        ctxs[i % 4]["text"] += f" The answer is {ans}."
-        out.append({"id": f"r{i}", "question": f"What is answer {i}?", "answers": [ans], "ctxs": ctxs, "gold_index": i % 4, "source": "synthetic"})
-    return out
+rows = qa_rows
 
 
 # -- layout and the picture ----------------------------------------------------------------------

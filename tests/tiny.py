@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import random
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -108,3 +109,16 @@ def _three_chunks():
 THREE_CHUNKS = _three_chunks()
 THREE_IDS = [c.id for c in THREE_CHUNKS]
 THREE_Q = "What did the cat do?"
+
+
+def qa_rows(n=6, seed=0):
+    """Multi-passage QA rows shaped like shared/data/*.jsonl (gold passage moves), for training tests."""
+    rng = random.Random(seed)
+    words = ["cat", "mat", "sun", "sea", "red", "owl", "fig", "jam"]
+    out = []
+    for i in range(n):
+        ans = rng.choice(words)
+        ctxs = [{"title": f"T{j}", "text": " ".join(rng.choice(words) for _ in range(6 + (i + j) % 5))} for j in range(4)]
+        ctxs[i % 4]["text"] += f" The answer is {ans}."
+        out.append({"id": f"r{i}", "question": f"What is answer {i}?", "answers": [ans], "ctxs": ctxs, "gold_index": i % 4, "source": "synthetic"})
+    return out

@@ -42,6 +42,25 @@ class Setting:
         return base + (f"{{{self.model}}}" if self.model else "")
 
 
+def split_methods(spec: str) -> list[str]:
+    """'kvlink:link_tokens=5,model=l5,epic' -> ['kvlink:link_tokens=5,model=l5', 'epic'].
+
+    A piece with '=' and no ':' is one more parameter of the method before it, so a method's own
+    parameters can be written with the same commas that separate methods.
+    """
+    out: list[str] = []
+    for piece in (p.strip() for p in spec.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece:
+            if not out:
+                raise ValueError(f"parameter {piece!r} comes before any method in {spec!r}")
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 def parse_method(spec: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """'samkv:update=fusion,block_size=8' -> ('samkv', (('update', 'fusion'), ('block_size', 8)))."""
     name, _, rest = spec.partition(":")
