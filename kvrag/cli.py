@@ -299,9 +299,11 @@ def _bench_merge(args: argparse.Namespace, out: Path, meta: dict) -> int:
         if not (d / "records.jsonl").is_file():
             raise KVRagError(f"--merge: no records.jsonl in {d}")
     first = json.loads((parts[0] / "summary.json").read_text())["meta"] if (parts[0] / "summary.json").is_file() else {}
-    records = merge_records([d / "records.jsonl" for d in parts], out / "records.jsonl")
+    records, dropped = merge_records([d / "records.jsonl" for d in parts], out / "records.jsonl")
+    if dropped:
+        print(f"--merge: {dropped} examples not answered under every setting were left out", file=sys.stderr)
     part_commands = [json.loads((d / "summary.json").read_text())["meta"].get("command", "") for d in parts if (d / "summary.json").is_file()]
-    meta = {**first, "command": meta["command"], "parts": part_commands}
+    meta = {**first, "command": meta["command"], "parts": part_commands, "left_out_incomplete": dropped}
     meta["n"] = len({r["example"] for r in load_records(records)})
     write_report(records, out, meta)
     print(markdown_table(summarize(load_records(records))))

@@ -160,6 +160,12 @@ def test_row_ranges_and_merging_split_runs(tmp_path, capsys):
     merged = load_records(tmp_path / "m" / "records.jsonl")
     assert len(merged) == len(EXAMPLES) * 4  # full and reuse once each, epic and a3
     assert "a3@0.3" in (tmp_path / "m" / "summary.md").read_text()
+    # a part stopped early: its examples missing a setting leave the table, the rest stay paired
+    lines = (tmp_path / "b" / "records.jsonl").read_text().splitlines()
+    (tmp_path / "b" / "records.jsonl").write_text("\n".join(l for l in lines if not ('"ex2"' in l and "a3@0.3" in l)) + "\n")
+    assert main(["bench", "--merge", f"{a.parent},{b.parent}", "--out", str(tmp_path / "m2")]) == 0
+    assert {r["example"] for r in load_records(tmp_path / "m2" / "records.jsonl")} == {"ex0", "ex1"}
+    assert "1 examples not answered" in capsys.readouterr().err
     assert main(["bench", "--data", str(data), "--adapter", "nopath", "--out", str(tmp_path / "x")]) == 2
     assert "NAME=PATH" in capsys.readouterr().err
     assert main(["bench", "--data", str(data), "--adapter", "v=missing.safetensors", "--out", str(tmp_path / "x")]) == 2

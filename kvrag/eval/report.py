@@ -35,25 +35,29 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def merge_records(sources: list[Path], dest: Path) -> Path:
+def merge_records(sources: list[Path], dest: Path) -> tuple[Path, int]:
     """Join the records of runs split across processes (each with its own Full reference) into one file.
 
     The first record of each (example, setting) pair is kept, so the Full and reuse rows every part
-    repeats are counted once.
+    repeats are counted once. Only examples answered under every setting are kept, so every row of
+    the table is paired over the same questions (a part stopped early shortens the table, never skews
+    it); returns the file and the number of examples left out.
     """
-    seen: set[tuple[str, str]] = set()
-    lines = []
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
     for src in sources:
         for r in load_records(src):
-            key = (r["example"], r["setting"])
-            if key not in seen:
-                seen.add(key)
-                lines.append(json.dumps(r))
+            seen.setdefault((r["example"], r["setting"]), r)
+    settings = {s for _, s in seen}
+    by_example: dict[str, set[str]] = defaultdict(set)
+    for ex, st in seen:
+        by_example[ex].add(st)
+    complete = {ex for ex, sts in by_example.items() if sts == settings}
+    lines = [json.dumps(r) for (ex, _), r in seen.items() if ex in complete]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + ("\n" if lines else ""))
     tmp.replace(dest)
-    return dest
+    return dest, len(by_example) - len(complete)
 
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
