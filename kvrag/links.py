@@ -264,6 +264,9 @@ def save_adapter(path: str | os.PathLike, adapter: LinkAdapter) -> Path:
     os.close(fd)
     try:
         save_file(adapter.tensors(), tmp, metadata={HEADER_KEY: json.dumps(meta, sort_keys=True)})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # an adapter is meant to be shared and packaged: not mkstemp's 0600
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

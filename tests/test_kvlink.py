@@ -3,6 +3,7 @@
 import argparse
 import copy
 import json
+import os
 import random
 
 import pytest
@@ -338,6 +339,9 @@ def test_adapter_round_trip_is_exact(tmp_path):
     b = KVRag(lm, store=rag.store, link_adapter=links, check=False).prefill(Q, IDS, method="kvlink")
     assert torch.equal(a.logits, b.logits)
     assert (tmp_path / "links.safetensors").stat().st_size < 10e6
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "links.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # shareable, not mkstemp's 0600
 
 
 def test_adapter_over_another_model_or_layout_is_a_clear_error(tmp_path):
