@@ -74,9 +74,6 @@ def fuse_by_cosine(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     theta = torch.nn.functional.cosine_similarity(new.float(), old.float(), dim=-1).unsqueeze(-1)
     return (theta * new.float() + (1 - theta) * old.float()).to(new.dtype)
 
-    def __len__(self) -> int:
-        return len(self.layers)
-
 
 def prefix_cache(kv: Sequence[KV]) -> DynamicCache:
     """A plain DynamicCache holding copies of `kv` (the stored tensors are never written through)."""
