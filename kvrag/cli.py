@@ -298,12 +298,12 @@ def _bench_merge(args: argparse.Namespace, out: Path, meta: dict) -> int:
     for d in parts:
         if not (d / "records.jsonl").is_file():
             raise KVRagError(f"--merge: no records.jsonl in {d}")
-    first = json.loads((parts[0] / "summary.json").read_text())["meta"] if (parts[0] / "summary.json").is_file() else {}
+    metas = [json.loads((d / "summary.json").read_text())["meta"] for d in parts if (d / "summary.json").is_file()]
     records, dropped = merge_records([d / "records.jsonl" for d in parts], out / "records.jsonl")
     if dropped:
         print(f"--merge: {dropped} examples not answered under every setting were left out", file=sys.stderr)
-    part_commands = [json.loads((d / "summary.json").read_text())["meta"].get("command", "") for d in parts if (d / "summary.json").is_file()]
-    meta = {**first, "command": meta["command"], "parts": part_commands, "left_out_incomplete": dropped}
+    first = metas[0] if metas else {}
+    meta = {**first, "command": meta["command"], "parts": [m.get("command", "") for m in metas], "left_out_incomplete": dropped}
     meta["n"] = len({r["example"] for r in load_records(records)})
     write_report(records, out, meta)
     print(markdown_table(summarize(load_records(records))))
@@ -327,7 +327,10 @@ def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float
     from kvrag.eval.runner import Setting
     from kvrag.eval.speed import parse_sizes, speed_markdown, speed_sweep, write_speed
 
-    settings = [Setting("full"), Setting("reuse")] + [Setting(m, ratio) for m in methods if m not in ("full", "reuse")]
+    from kvrag.eval.runner import parse_method
+
+    parsed = [parse_method(m) for m in methods]
+    settings = [Setting("full"), Setting("reuse")] + [Setting(m, ratio, params=p) for m, p in parsed if m not in ("full", "reuse")]
     rows = speed_sweep(rag, parse_sizes(args.contexts), settings, chunk_tokens=args.chunk_tokens, repeats=args.repeats)
     meta = {**meta, "model": rag.lm.source, "device": str(rag.lm.device), "dtype": str(rag.lm.dtype).replace("torch.", ""),
             "chunk_tokens": args.chunk_tokens, "repeats": args.repeats, "store": store, "random_weights": random_weights}
