@@ -12,8 +12,8 @@ from kvrag.errors import (
 )
 from kvrag.model import LoadedModel, from_model, load_model
 from kvrag.types import Answer, AnswerStats, Chunk
+from kvrag.version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AdapterMismatchError",

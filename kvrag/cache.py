@@ -17,12 +17,24 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class SpliceLayer(DynamicLayer):
-    """A DynamicLayer that can overwrite positions in place before appending."""
+    """A DynamicLayer that can overwrite positions in place before appending, and appends into
+    reserved room instead of concatenating (decoding writes one token per step into the buffer).
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    `keys`/`values` are always views of the first `length` slots of the buffers; when the room runs
+    out the buffers grow by the reserve hint (or what is needed) at once, never per token.
+    """
+
+    GROW = 256  # slots added when the room runs out and no reserve hint was given
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int = 0, length: int | None = None) -> None:
         super().__init__()
         self.lazy_initialization(keys, values)
-        self.keys, self.values = keys, values
+        n = keys.shape[-2] if length is None else length
+        if length is None and reserve > 0:
+            keys, values = _with_room(keys, n, n + reserve), _with_room(values, n, n + reserve)
+        self._kbuf, self._vbuf, self._len = keys, values, n
+        self._reserve = reserve
+        self.keys, self.values = keys[..., :n, :], values[..., :n, :]
         self.overwrite_at: torch.Tensor | None = None
         self.mode = "overwrite"
         self.exact: torch.Tensor | None = None  # bool per overwritten slot: always overwrite, never blend
@@ -43,16 +55,43 @@ class SpliceLayer(DynamicLayer):
             self.values.index_copy_(2, idx, new_v)
             key_states, value_states = key_states[:, :, n:], value_states[:, :, n:]
         if key_states.shape[-2]:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
+            self._append(key_states, value_states)
         return self.keys, self.values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        n, add = self._len, key_states.shape[-2]
+        if n + add > self._kbuf.shape[-2]:
+            cap = n + add + max(self._reserve, self.GROW)
+            self._kbuf, self._vbuf = _with_room(self._kbuf, n, cap), _with_room(self._vbuf, n, cap)
+        self._kbuf[..., n : n + add, :] = key_states
+        self._vbuf[..., n : n + add, :] = value_states
+        self._len = n + add
+        self.keys, self.values = self._kbuf[..., : self._len, :], self._vbuf[..., : self._len, :]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self._len = self.keys.shape[-2]
+
+
+def _with_room(t: torch.Tensor, n: int, capacity: int) -> torch.Tensor:
+    """A [..., capacity, d] buffer whose first n slots are t's."""
+    buf = t.new_empty(*t.shape[:-2], capacity, t.shape[-1])
+    buf[..., :n, :] = t[..., :n, :]
+    return buf
 
 
 class SpliceCache(Cache):
     """A cache over stitched per-layer KV; see the module docstring."""
 
-    def __init__(self, kv: Sequence[KV]) -> None:
-        super().__init__(layers=[SpliceLayer(k, v) for k, v in kv])
+    def __init__(self, kv: Sequence[KV], reserve: int = 0, lengths: Sequence[int] | None = None) -> None:
+        """`kv`: per-layer [1, kv_heads, slots, d] tensors, taken as they are (no copy) unless room
+        must be made; `reserve`: slots to keep free for the question and the answer. With `lengths`,
+        each layer's tensors are buffers whose first `lengths[i]` slots hold the context (already with room)."""
+        if lengths is None:
+            layers = [SpliceLayer(k, v, reserve) for k, v in kv]
+        else:
+            layers = [SpliceLayer(k, v, reserve, n) for (k, v), n in zip(kv, lengths)]
+        super().__init__(layers=layers)
 
     def overwrite(self, slots: torch.Tensor | None, mode: str = "overwrite", exact: torch.Tensor | None = None) -> None:
         """The next forward's first len(slots) tokens write into these slots (None: append only).
@@ -75,9 +114,18 @@ def fuse_by_cosine(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return (theta * new.float() + (1 - theta) * old.float()).to(new.dtype)
 
 
-def prefix_cache(kv: Sequence[KV]) -> DynamicCache:
-    """A plain DynamicCache holding copies of `kv` (the stored tensors are never written through)."""
+def prefix_cache(kv: Sequence[KV], reserve: int = 0) -> Cache:
+    """A cache holding copies of `kv` (the stored tensors are never written through), with room for
+    `reserve` more slots so the prompt and the answer append without reallocating."""
+    if reserve > 0:
+        return SpliceCache([(_with_room(k, k.shape[-2], k.shape[-2] + reserve), _with_room(v, v.shape[-2], v.shape[-2] + reserve)) for k, v in kv],
+                           reserve, [k.shape[-2] for k, _ in kv])
     return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in kv])
+
+
+def decoding_cache(kv: Sequence[KV], reserve: int = 0) -> Cache:
+    """A cache over these tensors (no copy) for decoding, with room for `reserve` new tokens."""
+    return SpliceCache(kv, reserve)
 
 
 def cache_from_kv(kv: Sequence[KV]) -> DynamicCache:
@@ -96,6 +144,12 @@ def empty_cache() -> DynamicCache:
 def cache_kv(cache: Cache) -> list[KV]:
     """Per-layer (keys, values) of any attention cache."""
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def layer_kv(cache: Cache, layer: int) -> KV:
+    """(keys, values) of one layer: [batch, kv_heads, slots, d]."""
+    entry = cache.layers[layer]
+    return entry.keys, entry.values
 
 
 def cache_len(cache: Cache) -> int:

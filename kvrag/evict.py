@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.cache import cache_from_kv, cache_kv
-from kvrag.fuse import causal_mask_by_position
+from kvrag.cache import cache_kv, decoding_cache
+from kvrag.masks import question_attention
 
 
 @dataclass
@@ -22,6 +22,7 @@ class SnapKV:
     window: int | None = None  # observation window; None = the question tokens
     kernel: int = 7  # pooling width (SnapKV's default)
     pooling: str = "avg"
+    reserve: int = 64  # room kept for the answer's tokens in the evicted cache
 
     def __post_init__(self) -> None:
         if self.budget < 0:
@@ -50,13 +51,10 @@ class SnapKV:
             if free.numel() <= self.budget:
                 out.append((keys, values))
                 continue
-            q = queries[layer_idx].float()
+            q = queries[layer_idx]
             kv_heads = keys.shape[1]
             group = q.shape[0] // kv_heads
-            k = keys[0].float().repeat_interleave(group, dim=0)
-            scores = torch.einsum("hwd,hsd->hws", q, k) * scaling[layer_idx]
-            scores = scores + causal_mask_by_position(query_positions.to(k.device), key_positions.to(k.device), torch.float32)[0, 0]
-            attn = torch.softmax(scores, dim=-1).sum(dim=1)  # [heads, slots]
+            attn = question_attention(q, keys[0], scaling[layer_idx], query_positions, key_positions).sum(dim=1)  # [heads, slots]
             attn = attn.view(kv_heads, group, -1).sum(dim=1)  # per KV head
             pad = self.kernel // 2
             pool = torch.nn.functional.avg_pool1d if self.pooling == "avg" else torch.nn.functional.max_pool1d
@@ -67,4 +65,4 @@ class SnapKV:
             idx = torch.cat([always, keep_free], dim=1).sort(dim=1).values  # [kv_heads, kept]
             gather = idx[None, :, :, None].expand(1, kv_heads, idx.shape[1], keys.shape[-1])
             out.append((keys.gather(2, gather), values.gather(2, gather)))
-        return cache_from_kv(out)
+        return decoding_cache(out, self.reserve)

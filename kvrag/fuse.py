@@ -24,6 +24,8 @@ import torch
 
 from kvrag.cache import SpliceCache, prefix_cache
 from kvrag.layout import Segments
+from kvrag.links import embed_with_links, link_mask
+from kvrag.masks import causal_mask_by_position
 from kvrag.model import LoadedModel
 from kvrag.precompute import LayerStack, unstack_layers
 from kvrag.rope import Rotary
@@ -40,10 +42,19 @@ class Stitched:
     values: torch.Tensor
     segments: Segments
     positions: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [slots] global position of each slot
+    room: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # buffers with free slots after `keys`
 
     def __post_init__(self) -> None:
         if self.positions is None:
             self.positions = torch.arange(self.keys.shape[2])
+
+    def splice_cache(self) -> SpliceCache:
+        """A cache over this context's tensors (written in place by a pass), using the reserved room."""
+        if self.room is None:
+            return SpliceCache(unstack_layers(self.keys, self.values))
+        kb, vb = self.room
+        n = self.keys.shape[2]
+        return SpliceCache(unstack_layers(kb, vb), kb.shape[2] - n, [n] * kb.shape[0])
 
     @property
     def chunk_spans(self) -> list[tuple[int, int]]:
@@ -75,25 +86,36 @@ class Stitched:
         prefix = torch.arange(len(self.segments.prefix))
         pos = torch.cat([prefix, self.link_positions(), positions.to(torch.long).cpu()]).unique(sorted=True)
         slots = self.slots_of(pos).to(self.keys.device)
-        return Stitched(self.keys[:, :, slots], self.values[:, :, slots], self.segments, pos)
+        reserve = self.room[0].shape[2] - self.keys.shape[2] if self.room is not None else 0
+        kbuf = self.keys.new_empty(*self.keys.shape[:2], slots.numel() + reserve, self.keys.shape[3])
+        vbuf = self.values.new_empty(*self.values.shape[:2], slots.numel() + reserve, self.values.shape[3])
+        n = slots.numel()
+        kbuf[:, :, :n].copy_(self.keys[:, :, slots])
+        vbuf[:, :, :n].copy_(self.values[:, :, slots])
+        return Stitched(kbuf[:, :, :n], vbuf[:, :, :n], self.segments, pos, room=(kbuf, vbuf) if reserve else None)
 
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
-def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments, rotary: Rotary) -> Stitched:
+def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments, rotary: Rotary, reserve: int = 0) -> Stitched:
     """Concatenate RoPE-free chunk KV after the prefix and rotate keys to their global positions.
 
     Each chunk is rotated straight into one preallocated buffer (all layers and heads in one op),
-    so the context is written once instead of concatenated and then copied again.
+    so the context is written once instead of concatenated and then copied again. `reserve` slots
+    are left free after the context for the question and the answer, which append in place.
     """
     pk, pv = prefix
-    if not chunks:
-        return Stitched(pk.clone(), pv.clone(), segments)
     n_prefix, total = pk.shape[2], segments.context_len
-    keys = pk.new_empty(*pk.shape[:2], total, pk.shape[3])
-    values = pv.new_empty(*pv.shape[:2], total, pv.shape[3])
+    kbuf = pk.new_empty(*pk.shape[:2], total + reserve, pk.shape[3])
+    vbuf = pv.new_empty(*pv.shape[:2], total + reserve, pv.shape[3])
+    keys, values = kbuf[:, :, :total], vbuf[:, :, :total]
+    room = (kbuf, vbuf) if reserve > 0 else None
+    if not chunks:
+        keys[:, :, :n_prefix] = pk
+        values[:, :, :n_prefix] = pv
+        return Stitched(keys, values, segments, room=room)
     keys[:, :, :n_prefix] = pk
     values[:, :, :n_prefix] = pv
     if segments.links:  # link slots: empty until the recompute pass computes them
@@ -104,20 +126,7 @@ def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments,
         end = start + k.shape[2]
         rotary.rotate(k.to(pk.device, pk.dtype), torch.arange(start, end), out=keys[:, :, start:end])
         values[:, :, start:end] = v
-    return Stitched(keys, values, segments)
-
-
-def causal_mask_by_position(query_pos: torch.Tensor, key_pos: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, q, kv] mask: a query at position p sees keys at positions <= p.
-
-    `key_pos` is each key slot's position, or an int n for slots holding positions 0..n-1.
-    """
-    if isinstance(key_pos, int):
-        key_pos = torch.arange(key_pos, device=query_pos.device)
-    allowed = key_pos.to(query_pos.device)[None, :] <= query_pos[:, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=query_pos.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return Stitched(keys, values, segments, room=room)
 
 
 @dataclass
@@ -174,8 +183,6 @@ def pass_mask(stitched: Stitched, positions: torch.Tensor, key_pos: torch.Tensor
     link slots (selected chunk tokens are recomputed, so they are global rows of the picture)."""
     if not stitched.segments.links:
         return causal_mask_by_position(positions, key_pos, dtype)
-    from kvrag.links import link_mask
-
     return link_mask(stitched.segments, positions, key_pos, dtype, global_rows=selected)
 
 
@@ -202,10 +209,8 @@ def recompute(
     if links.numel():
         if link_embeds is None:
             raise ValueError("the stitched context has link slots: pass their embeddings (link_embeds)")
-        from kvrag.links import embed_with_links
-
         embeds = embed_with_links(lm.model, input_ids, torch.isin(positions, links)[None], link_embeds.to(device))
-    cache = SpliceCache(unstack_layers(stitched.keys, stitched.values))
+    cache = stitched.splice_cache()
     exact = torch.isin(rows, links) if links.numel() else None
     cache.overwrite(stitched.slots_of(rows).to(device) if rows.numel() else None, mode=update, exact=exact)
     out = forward_pass(lm, cache, input_ids, positions, key_pos, pass_mask(stitched, positions, key_pos, selected, lm.dtype), embeds)
@@ -214,10 +219,11 @@ def recompute(
 
 
 @torch.no_grad()
-def full_prefill(lm: LoadedModel, prefix: LayerStack, segments: Segments) -> PrefillOutput:
-    """Full Attention: the prefix from cache (it never changes), every other token prefilled."""
+def full_prefill(lm: LoadedModel, prefix: LayerStack, segments: Segments, reserve: int = 0) -> PrefillOutput:
+    """Full Attention: the prefix from cache (it never changes), every other token prefilled
+    (into room reserved for them and `reserve` more slots for the answer)."""
     device = lm.device
-    cache = prefix_cache(unstack_layers(*prefix))
+    cache = prefix_cache(unstack_layers(*prefix), reserve=segments.total_len - len(segments.prefix) + reserve)
     s = len(segments.prefix)
     ids = torch.tensor(segments.all_ids()[s:], device=device)[None]
     positions = torch.arange(s, segments.total_len, device=device)[None]

@@ -52,7 +52,9 @@ from safetensors.torch import save_file
 
 from kvrag.errors import AdapterMismatchError
 from kvrag.layout import LAYOUT_VERSION, Segments
+from kvrag.masks import additive
 from kvrag.model import LoadedModel, architecture_identity, model_fingerprint, text_config
+from kvrag.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +101,6 @@ def link_picture(
     local = (oq >= 0)[:, None]
     same = (ok[None, :] == oq[:, None]) | (ok[None, :] == PREFIX_OWNER)
     return causal & (~local | same)
-
-
-def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean [..., q, kv] -> additive float mask (0 where allowed, the dtype's min elsewhere)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def link_mask(
@@ -228,8 +224,6 @@ def adapter_header(
     data: list[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON header an adapter trained on `lm` carries."""
-    from kvrag import __version__
-
     return {
         "format": ADAPTER_FORMAT,
         "format_version": ADAPTER_FORMAT_VERSION,

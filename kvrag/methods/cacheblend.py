@@ -26,7 +26,7 @@ class CacheBlend(ScoredMethod):
 
     def scores(self, ctx: SelectContext) -> torch.Tensor:
         layer = resolve_layer(ctx.lm, self.layer)
-        positions = ctx.stitched.chunk_positions()
+        positions = ctx.candidates()
         result = probe(ctx.lm, ctx.rotary, ctx.stitched, [layer], recompute=positions)
         fresh = result.values[layer] if self.deviation == "value" else result.keys[layer]
         reused = ctx.stitched.values[layer] if self.deviation == "value" else ctx.stitched.keys[layer]

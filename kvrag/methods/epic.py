@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.methods.base import Method, SelectContext
+from kvrag.methods.base import Method, SelectContext, Selection
 
 
 class Epic(Method):
@@ -12,10 +12,10 @@ class Epic(Method):
 
     name = "epic"
 
-    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
-        spans = ctx.stitched.chunk_spans
+    def select(self, ctx: SelectContext, budget: int) -> Selection:
+        spans = ctx.spans
         if budget <= 0 or not spans:
-            return torch.empty(0, dtype=torch.long)
+            return Selection.empty()
         picked: list[int] = []
         depth = 0
         # take token `depth` of every chunk, round after round, so every chunk gets its head first
@@ -28,4 +28,4 @@ class Epic(Method):
             if not added:
                 break
             depth += 1
-        return torch.tensor(sorted(picked), dtype=torch.long)
+        return Selection(torch.tensor(sorted(picked), dtype=torch.long))

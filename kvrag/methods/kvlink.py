@@ -1,7 +1,7 @@
 """KVLink: K link tokens after every cached chunk, computed in the shared recompute pass.
 
 The method itself is a selection rule like the others (by default none: `select="reuse"`) plus a
-number of link tokens; the engine adds the link slots to the layout, and the one recompute pass
+number of link tokens; `prepare` adds the link slots to the layout, and the one recompute pass
 computes them with KVLink's attention picture (`kvrag.links`). Composing: `select="a3"` (or
 `method="kvlink+a3"`) recomputes the a3-chosen chunk tokens in the same pass (those tokens attend
 causally to everything before them, as recomputation does), and `select="samkv"` keeps SamKV's
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from kvrag.methods.base import Method, SelectContext
+from kvrag.links import resolve_link_rows
+from kvrag.methods.base import LinkSlots, Method, PrepareContext, SelectContext, Selection
+from kvrag.methods.registry import get_method
 
 
 class KVLink(Method):
@@ -23,8 +23,6 @@ class KVLink(Method):
     name = "kvlink"
 
     def __init__(self, link_tokens: int | None = None, select: str | Method = "reuse", **select_params: Any) -> None:
-        from kvrag.methods import get_method
-
         if link_tokens is not None and int(link_tokens) < 0:
             raise ValueError(f"link_tokens must be >= 0, got {link_tokens}")
         self.link_tokens = None if link_tokens is None else int(link_tokens)
@@ -33,8 +31,12 @@ class KVLink(Method):
             raise ValueError(f"kvlink composes with a selection rule, not with {self.inner.name!r}")
         self.update = self.inner.update
 
-    def keep(self, ctx: SelectContext) -> torch.Tensor | None:
+    def prepare(self, ctx: PrepareContext) -> LinkSlots:
+        k, embeds = resolve_link_rows(ctx.lm, ctx.link_adapter(), self.link_tokens, ctx.n_chunks, ctx.default_links)
+        return LinkSlots(k, embeds)
+
+    def keep(self, ctx: SelectContext) -> Selection | None:
         return self.inner.keep(ctx)
 
-    def select(self, ctx: SelectContext, budget: int) -> torch.Tensor:
+    def select(self, ctx: SelectContext, budget: int) -> Selection:
         return self.inner.select(ctx, budget)

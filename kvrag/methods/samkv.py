@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.methods.base import ScoredMethod, SelectContext
+from kvrag.masks import question_attention
+from kvrag.methods.base import ScoredMethod, SelectContext, Selection
 from kvrag.model import decoder_of
 from kvrag.probe import probe, resolve_layer
 
@@ -80,7 +81,6 @@ class SamKV(ScoredMethod):
         self.stable_layers = stable_layers
         self.update = update
         self.sparsify = sparsify
-        self._token_scores = torch.zeros(0)
 
     # -- configuration ----------------------------------------------------------------------------
     def resolved_block_size(self, chunk_lengths: list[int]) -> int:
@@ -97,7 +97,8 @@ class SamKV(ScoredMethod):
         return list(range(n - max(1, n // 8), n))
 
     # -- the method -------------------------------------------------------------------------------
-    def keep(self, ctx: SelectContext) -> torch.Tensor | None:
+    def keep(self, ctx: SelectContext) -> Selection | None:
+        """The kept chunk positions and every chunk token's personalised-query score (the recompute step reads them)."""
         st = ctx.stitched
         spans = st.chunk_spans
         size = self.resolved_block_size([e - s for s, e in spans])
@@ -126,7 +127,7 @@ class SamKV(ScoredMethod):
                 q_que + sum(w * ql for j, (w, ql) in enumerate(zip(weights, q_loc)) if j != i) / max(1, d - 1) for i in range(d)
             ]
         # 2. block scores, eq. 2-3, and token scores for the recompute step
-        self._token_scores = torch.full((st.segments.context_len,), float("-inf"))
+        token_scores = torch.full((st.segments.context_len,), float("-inf"))
         proposals: list[tuple[float, int, int]] = []  # (normalised score, chunk, block)
         total_middle = 0
         for i, b in enumerate(blocks):
@@ -137,15 +138,14 @@ class SamKV(ScoredMethod):
             for n in layers:
                 keys = st.keys[n].float()  # [kv_heads, slots, d]
                 qh = q_hat[n][i]  # [heads, d]
-                group = qh.shape[0] // keys.shape[0]
                 base, end = b.ranges[0][0], b.ranges[-1][1]
                 slots = st.slots_of(torch.arange(base, end))
-                k_tok = keys[:, slots].repeat_interleave(group, dim=0)  # [heads, tokens, d]
-                tok = torch.einsum("hd,htd->t", qh, k_tok) / (qh.shape[0] * math.sqrt(qh.shape[-1]))
+                tok = question_attention(qh[:, None], keys[:, slots], 1 / math.sqrt(qh.shape[-1]), softmax=False)
+                tok = tok[:, 0].sum(dim=0).cpu() / qh.shape[0]  # [tokens]: the pooled query's score, mean over heads
                 scores = torch.stack([tok[s - base : e - base].mean() for s, e in b.ranges])  # score of the mean key
                 block_scores += scores / len(layers)
-                span = self._token_scores[base:end]
-                self._token_scores[base:end] = torch.where(span.isinf(), 0.0, span) + tok / len(layers)
+                span = token_scores[base:end]
+                token_scores[base:end] = torch.where(span.isinf(), 0.0, span) + tok / len(layers)
                 if mid:
                     anchor_score = float(tok[[p - base for p in b.positions([k for k, a in enumerate(b.anchor) if a])]].mean())
                     p_layers.append(dynamic_top_p(anchor_score, float(scores[mid].max()), float(scores[mid].min())))
@@ -160,14 +160,14 @@ class SamKV(ScoredMethod):
                 norm = (float(block_scores[blk]) - lo) / (hi - lo) if hi > lo else 1.0
                 proposals.append((norm, i, blk))
         if not self.sparsify:
-            return None
+            return Selection(st.chunk_positions(), token_scores)
         # cross-chunk filtering: the best (total middle blocks / chunks) of all proposals
         limit = total_middle // max(1, len(blocks))
         chosen = sorted(proposals, key=lambda x: -x[0])[:limit]
         kept = anchors.tolist() + [p for _, i, blk in chosen for p in blocks[i].positions([blk])]
-        return torch.tensor(sorted(set(kept)), dtype=torch.long)
+        return Selection(torch.tensor(sorted(set(kept)), dtype=torch.long), token_scores)
 
     def scores(self, ctx: SelectContext) -> torch.Tensor:
-        """Recompute the kept chunk tokens with the highest personalised-query scores (set by `keep`)."""
-        kept = ctx.stitched.chunk_positions()
-        return self._token_scores[kept] if self._token_scores.numel() else torch.zeros(kept.numel())
+        """Recompute the kept chunk tokens with the highest personalised-query scores (from `keep`, in `ctx.prior`)."""
+        candidates = ctx.candidates()
+        return ctx.prior[candidates] if ctx.prior is not None else torch.zeros(candidates.numel())

@@ -1,0 +1,184 @@
+"""The engine's API over its two rooms: a `KVRepository` (chunks and their KV) and a `RequestPipeline`.
+
+`KVRagCore` is the engine without model preparation (adapters, the correctness gate): the gate
+itself drives one to measure a model, and `KVRag` (kvrag.engine) adds both on top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from kvrag.cache_backends import KVStore, open_store
+from kvrag.layout import PromptLayout
+from kvrag.model import LoadedModel, kvrag_home
+from kvrag.options import KIND_CHUNK, AnswerOptions
+from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
+from kvrag.precompute import KVComputer, LayerStack
+from kvrag.prompt_match import match_prompt
+from kvrag.repository import KVRepository, PrecomputeReport, Resolved
+from kvrag.rope import Rotary
+from kvrag.fuse import Stitched
+from kvrag.layout import Segments
+from kvrag.types import Answer, Chunk
+
+
+class KVRagCore:
+    """RAG over a local causal LM that reuses each chunk's precomputed KV cache (no gate, no adapter)."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        store: KVStore | str | None = None,
+        layout: PromptLayout | None = None,
+        batch_size: int = 8,
+        **layout_kwargs: Any,
+    ) -> None:
+        self.lm = lm
+        self.layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
+        self.store: KVStore = store if store is not None and not isinstance(store, str) else open_store(store, default_root=kvrag_home() / "kv")
+        self.rotary = Rotary(lm.model)
+        self.computer = KVComputer(lm, self.rotary)
+        self.repo = KVRepository(lm, self.store, self.layout, self.computer, batch_size)
+        self.pipeline = RequestPipeline(self.repo, self.rotary, lambda: self.link_adapter)
+
+    @property
+    def link_adapter(self) -> Any:
+        """The KVLink adapter `method="kvlink"` uses (none here; `KVRag` resolves one)."""
+        return None
+
+    @property
+    def batch_size(self) -> int:
+        return self.repo.batch_size
+
+    @property
+    def _chunks(self) -> dict[str, Chunk]:
+        return self.repo.chunks
+
+    def _key(self, kind: str, token_ids: Sequence[int]) -> str:
+        return self.repo.key(kind, token_ids)
+
+    def _resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK) -> Resolved:
+        return self.repo.resolve(chunks, kind)
+
+    # -- chunks -----------------------------------------------------------------------------------
+    def prefix_kv(self) -> LayerStack:
+        """The system prefix's KV, computed once per (model, system prompt) and kept in the store."""
+        with self.lm.lock:
+            return self.repo.prefix_kv()
+
+    def register(self, chunks: Iterable[Chunk]) -> list[Chunk]:
+        """Remember chunks by id (here and in the store's node-id index) so `answer(chunk_ids=...)` finds them."""
+        return self.repo.register(chunks)
+
+    def prefetch(self, chunk_ids: Sequence[str] | None = None, chunks: Sequence[Chunk] | None = None) -> None:
+        """Start loading these chunks' KV (a tiered store loads in the background; others ignore it)."""
+        self.repo.guarded.prefetch(self.repo.prefetch_keys(chunk_ids, chunks))
+
+    def precompute(
+        self,
+        chunks: Iterable[Chunk],
+        batch_size: int | None = None,
+        progress: bool = True,
+        kind: str = KIND_CHUNK,
+        neighbours: Mapping[str, Sequence[str]] | None = None,
+        top_n: int = 2,
+        index: Any = None,
+    ) -> PrecomputeReport:
+        """Compute and store the KV of every chunk not cached yet (batched, with a progress bar).
+
+        `kind="similarity"` stores FusionRAG's similarity-guided variant: each chunk's KV computed
+        with its `top_n` most similar chunks before it (from `neighbours`, else `index`, else the
+        embedding similarity among all chunks this engine knows). Answer with it via `kv_kind="similarity"`.
+        """
+        with self.lm.lock:
+            return self.repo.precompute(chunks, batch_size, progress, kind, neighbours, top_n, index)
+
+    def chunk(self, chunk_id: str) -> Chunk:
+        return self.repo.chunk(chunk_id)
+
+    # -- answering --------------------------------------------------------------------------------
+    def prefill(
+        self,
+        question: str,
+        chunk_ids: Sequence[str] | None = None,
+        *,
+        chunks: Sequence[Chunk] | None = None,
+        options: AnswerOptions | None = None,
+        allow_empty: bool = False,
+        **kwargs: Any,
+    ) -> Prefill:
+        """Everything up to the first token's logits: load, stitch, select, recompute.
+
+        `options` (or the same as keywords: method, recompute_ratio, kv_kind, evict, and the
+        method's own parameters). With `evict`, the question's queries are captured during the pass
+        so the cache can be evicted after the first token (in `decode`).
+        """
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        resolved = self.repo.lookup(chunk_ids, chunks, allow_empty)
+        return self.pipeline.prefill(question, resolved, opts)
+
+    def stitched(self, chunks: Sequence[Chunk], segments: Segments) -> Stitched:
+        """The stitched context of `chunks` laid out as `segments` (store hits; misses computed and
+        kept), as `prefill` builds it; KVLink training reads its context KV this way."""
+        return self.pipeline.stitched(self.repo.resolve(chunks), segments)
+
+    def stream(
+        self,
+        question: str,
+        chunk_ids: Sequence[str] | None = None,
+        *,
+        chunks: Sequence[Chunk] | None = None,
+        options: AnswerOptions | None = None,
+        **kwargs: Any,
+    ) -> AnswerStream:
+        """Like `answer`, but returns an iterator of text pieces (stats complete at the end)."""
+        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        pre = self.prefill(question, chunk_ids, chunks=chunks, options=opts)
+        return self.decode(pre, options=opts)
+
+    def decode(self, pre: Prefill, *, options: AnswerOptions | None = None, **kwargs: Any) -> AnswerStream:
+        """Decode from a prefill (what `stream` does after `prefill`); the benchmark calls the two apart.
+
+        Decode settings (max_new_tokens, temperature, top_p, stop, seed) and `evict` come from
+        `options` or keywords. `evict` (SnapKV) bounds the cache after the first token: the first
+        token comes from the prefill's logits, every later one attends to the evicted cache.
+        """
+        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        return self.pipeline.decode(pre, opts.decode, opts.evict)
+
+    def match_prompt(self, prompt: str) -> tuple[list[Chunk], str]:
+        """Known chunks whose text appears verbatim in `prompt` (in prompt order) and the text after the last.
+
+        This is how a drop-in LLM reuses cached chunks inside a prompt a framework built itself.
+        """
+        return match_prompt(prompt, list(self.repo.chunks.values()))
+
+    def complete(self, prompt: str, *, options: AnswerOptions | None = None, **kwargs: Any) -> AnswerStream:
+        """Answer a ready-made prompt (what a framework's LLM call receives).
+
+        Known chunks found verbatim in it are reused (`stats.path == "prompt-match"`), the text after
+        the last one is the question; the text around them that belongs to no chunk is dropped.
+        With no known chunk, the whole prompt is read as the question (`stats.path == "plain"`).
+        """
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("prompt must be a non-empty string")
+        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        chunks, question = self.match_prompt(prompt)
+        if not chunks:
+            pre = self.prefill(prompt, options=AnswerOptions(method="full", evict=opts.evict, decode=opts.decode), allow_empty=True)
+            pre.stats.path = "plain"
+        else:
+            pre = self.prefill(question or prompt, chunks=chunks, options=opts)
+            pre.stats.path = "prompt-match"
+        return self.decode(pre, options=opts)
+
+    def answer(self, question: str, chunk_ids: Sequence[str] | None = None, **kwargs: Any) -> Answer:
+        """Answer `question` from the given chunks; `.stats` tells what it cost and which path it took."""
+        return self.stream(question, chunk_ids, **kwargs).answer()
+
+    @property
+    def home(self) -> Path:
+        return kvrag_home()

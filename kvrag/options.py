@@ -1,0 +1,71 @@
+"""One options object for a request, travelling from the API through the pipeline and the integrations."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from kvrag.decode import DecodeConfig
+from kvrag.evict import SnapKV
+from kvrag.methods import Method, get_method
+
+KIND_CHUNK = "chunk"  # a chunk's KV computed after the system prefix alone
+KIND_SIMILARITY = "similarity"  # ... after the prefix and its most similar chunks (FusionRAG §3.1)
+KIND_PREFIX = "prefix"
+CHUNK_KINDS = (KIND_CHUNK, KIND_SIMILARITY)
+
+DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+
+
+def decode_config(
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop: Sequence[str] | str | None = None,
+    seed: int | None = None,
+) -> DecodeConfig:
+    """A DecodeConfig from the keyword arguments users pass (`stop` may be one string)."""
+    return DecodeConfig(max_new_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop or ()), seed)
+
+
+@dataclass(frozen=True)
+class AnswerOptions:
+    """How to answer: the method (and its parameters), the recompute ratio, which stored KV to read,
+    eviction after the first token, and the decode settings."""
+
+    method: str | Method = "reuse"
+    recompute_ratio: float = 0.15
+    kv_kind: str = KIND_CHUNK
+    evict: SnapKV | None = None
+    method_params: Mapping[str, Any] = field(default_factory=dict)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        if self.kv_kind not in CHUNK_KINDS:
+            raise ValueError(f"kv_kind must be one of {CHUNK_KINDS}, got {self.kv_kind!r}")
+
+    @classmethod
+    def from_kwargs(cls, base: "AnswerOptions | None" = None, **kwargs: Any) -> "AnswerOptions":
+        """Options from the keyword arguments of `answer`/`stream`/`complete`: the known fields, decode
+        settings, and anything else as the method's own parameters (`layer=2` for a3)."""
+        base = base or cls()
+        fields: dict[str, Any] = {}
+        for name in ("method", "recompute_ratio", "kv_kind", "evict"):
+            if name in kwargs:
+                fields[name] = kwargs.pop(name)
+        if "options" in kwargs:
+            raise TypeError("pass either options= or keyword options, not both")
+        dec = {k: kwargs.pop(k) for k in DECODE_KEYS if k in kwargs}
+        if dec:
+            cur = base.decode
+            merged = {"max_new_tokens": cur.max_new_tokens, "temperature": cur.temperature, "top_p": cur.top_p,
+                      "stop": list(cur.stop), "seed": cur.seed, **dec}
+            fields["decode"] = decode_config(**merged)
+        inherited = {} if "method" in fields else dict(base.method_params)  # another method: not the old one's parameters
+        if kwargs or inherited != dict(base.method_params):
+            fields["method_params"] = {**inherited, **kwargs}
+        return dataclasses.replace(base, **fields)
+
+    def resolved_method(self) -> Method:
+        return get_method(self.method, **dict(self.method_params))

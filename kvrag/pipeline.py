@@ -1,0 +1,210 @@
+"""The request pipeline: segments -> load -> stitch -> select -> recompute -> decode -> stats.
+
+One `AnswerOptions` travels through it. The model's lock (`LoadedModel.lock`) is held for every
+forward and probe, so engines that share one loaded model never run the model at the same time;
+decoding takes it per token, so concurrent streams interleave and an abandoned stream holds nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from kvrag.cache import cache_kv, cache_nbytes
+from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
+from kvrag.errors import ContextTooLongError
+from kvrag.evict import SnapKV
+from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
+from kvrag.layout import Segments
+from kvrag.methods import Method, PrepareContext, SelectContext, Selection, token_budget
+from kvrag.model import decoder_of
+from kvrag.options import KIND_CHUNK, AnswerOptions
+from kvrag.probe import ProbeResult, capture_queries
+from kvrag.repository import KVRepository, Resolved
+from kvrag.rope import Rotary
+from kvrag.types import Answer, AnswerStats, Chunk
+
+
+@dataclass
+class Prefill:
+    """A prefilled prompt, ready to decode; tests and the benchmark read its logits and selection."""
+
+    output: PrefillOutput
+    segments: Segments
+    selected: torch.Tensor
+    stats: AnswerStats
+    chunks: list[Chunk] = field(default_factory=list)
+    stitched: Stitched | None = None
+    window: ProbeResult | None = None  # the question's queries, captured when eviction is asked for
+    selection: Selection | None = None  # the rule's pick and the scores behind it
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.output.logits
+
+
+class AnswerStream:
+    """An iterator of text pieces; `.stats` and `.text` are complete once it is exhausted."""
+
+    def __init__(self, pieces: Iterator[str], stats: AnswerStats, chunk_ids: list[str]) -> None:
+        self._pieces = pieces
+        self.stats = stats
+        self.chunk_ids = chunk_ids
+        self.text = ""
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            self.text += piece
+            yield piece
+
+    def answer(self) -> Answer:
+        for _ in self:
+            pass
+        return Answer(text=self.text.strip(), stats=self.stats, chunk_ids=self.chunk_ids)
+
+
+class RequestPipeline:
+    """Answers one request at a time over a repository's KV with the shared recompute pass."""
+
+    def __init__(self, repo: KVRepository, rotary: Rotary, link_adapter: Callable[[], object]) -> None:
+        self.repo = repo
+        self.lm = repo.lm
+        self.rotary = rotary
+        self._link_adapter = link_adapter
+        self._default_links: dict[int, torch.Tensor] = {}
+
+    # -- prefill --------------------------------------------------------------------------------
+    def prefill(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
+        """Everything up to the first token's logits: load, stitch, select, recompute (under the model lock)."""
+        with self.lm.lock:
+            return self._prefill(question, resolved, opts)
+
+    def _prefill(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
+        t0 = time.perf_counter()
+        meth = opts.resolved_method()
+        stats = AnswerStats(method=meth.name)
+        links = meth.prepare(PrepareContext(self.lm, len(resolved.token_ids), self._link_adapter, self._default_links))
+        segments = self.repo.layout.segments(resolved.token_ids, question, links=links.per_chunk)
+        reserve = opts.decode.max_new_tokens + 1
+        self.check_length(segments)
+        stats.prompt_tokens = segments.total_len
+        stats.context_tokens = segments.chunk_tokens
+        stats.question_tokens = len(segments.question)
+        prefix = self.repo.prefix_kv()
+
+        if meth.full_attention:
+            with self._window(opts.evict, segments) as window:
+                out = full_prefill(self.lm, prefix, segments, reserve)
+            if window is not None:
+                window.key_positions = torch.arange(segments.total_len)
+            stats.recomputed_tokens = stats.context_tokens
+            stats.chunk_prefill_tokens = stats.context_tokens
+            stats.prefill_s = time.perf_counter() - t0
+            stats.ttft_s = stats.prefill_s
+            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks, window=window)
+
+        stacks = self.repo.load_chunks(resolved, stats, opts.kv_kind)
+        t1 = time.perf_counter()
+        stitched = stitch(prefix, stacks, segments, self.rotary, reserve=len(segments.question) + reserve)
+        t2 = time.perf_counter()
+        stitched, selection = self._select(meth, stitched, opts, stats)
+        t3 = time.perf_counter()
+        with self._window(opts.evict, segments) as window:
+            out = recompute(self.lm, stitched, selection.positions, update=meth.update, link_embeds=links.embeds)
+        if window is not None:
+            window.key_positions = torch.cat([stitched.positions, torch.arange(segments.context_len, segments.total_len)])
+        t4 = time.perf_counter()
+        stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
+        stats.recomputed_tokens = int(selection.positions.numel())
+        stats.ttft_s = t4 - t0
+        return Prefill(out, segments, selection.positions, stats, resolved.chunks, stitched, window, selection)
+
+    def _select(self, meth: Method, stitched: Stitched, opts: AnswerOptions, stats: AnswerStats) -> tuple[Stitched, Selection]:
+        """The rule's keep (sparsifying) and select steps. The budget is a share of the chunk tokens held;
+        the first chunk's KV is already exact (computed right after the prefix), so a rule selects
+        among the other chunks and the first is recomputed only when the budget exceeds them all."""
+        exact = 1 if opts.kv_kind == KIND_CHUNK else 0
+        ctx = SelectContext(self.lm, self.rotary, stitched, exact)
+        kept = Selection.of(meth.keep(ctx))
+        if kept is not None:
+            if kept.positions.numel() < stitched.chunk_positions().numel():  # the cache handed to decoding holds only these
+                stitched = stitched.keep(kept.positions)
+            ctx = SelectContext(self.lm, self.rotary, stitched, exact, kept.scores)
+        held = stitched.chunk_positions()
+        stats.kept_kv_ratio = int(held.numel()) / max(1, stats.context_tokens)
+        budget = token_budget(opts.recompute_ratio, int(held.numel()))
+        candidates = ctx.candidates()
+        selection = Selection.of(meth.select(ctx, min(budget, int(candidates.numel()))))
+        if 0 < candidates.numel() < budget and selection.positions.numel() == candidates.numel():
+            # every other chunk token is taken: only then does the budget reach the exact first chunk
+            exact_held = held[~torch.isin(held, candidates)][: budget - int(candidates.numel())]
+            selection.positions = torch.cat([exact_held, selection.positions.to(exact_held.device)]).sort().values
+        return stitched, selection
+
+    def stitched(self, resolved: Resolved, segments: Segments) -> Stitched:
+        """The stitched context of these chunks laid out as `segments` (store hits; misses computed and kept)."""
+        if [list(c) for c in segments.chunks] != resolved.token_ids:
+            raise ValueError("segments do not hold these chunks' token ids")
+        with self.lm.lock:
+            return stitch(self.repo.prefix_kv(), self.repo.load_chunks(resolved, AnswerStats()), segments, self.rotary)
+
+    @contextmanager
+    def _window(self, evict: SnapKV | None, segments: Segments) -> Iterator[ProbeResult | None]:
+        """Capture the observation window's queries at every layer during a prefill pass."""
+        if evict is None:
+            yield None
+            return
+        n_q = len(segments.question)
+        w = min(n_q, evict.window or n_q)
+        positions = torch.arange(segments.total_len - w, segments.total_len)
+        result = ProbeResult(positions=positions, key_positions=torch.empty(0, dtype=torch.long))
+        layers = range(len(decoder_of(self.lm.model).layers))
+        with capture_queries(self.lm, self.rotary, layers, result, rows=slice(-w, None)):
+            yield result
+
+    def check_length(self, segments: Segments, reserve: int = 0) -> None:
+        limit = self.lm.max_context
+        if segments.total_len + reserve > limit:
+            raise ContextTooLongError(
+                f"prompt is {segments.total_len} tokens (+{reserve} to generate) but the model's context is {limit}: "
+                "retrieve fewer or shorter chunks"
+            )
+
+    # -- decode ---------------------------------------------------------------------------------
+    def decode(self, pre: Prefill, cfg: DecodeConfig, evict: SnapKV | None = None) -> AnswerStream:
+        """Decode from a prefill; `evict` (SnapKV) bounds the cache after the first token."""
+        if evict is not None:
+            self._evict(pre, evict)
+        return AnswerStream(self._tokens(pre, cfg), pre.stats, [c.id for c in pre.chunks])
+
+    def _evict(self, pre: Prefill, evict: SnapKV) -> None:
+        if pre.window is None:
+            raise ValueError("pass the same evict= to prefill() so the question's queries are captured")
+        seg = pre.segments
+        protected = (pre.window.key_positions < len(seg.prefix)) | (pre.window.key_positions >= seg.context_len)
+        if seg.links:  # KVLink link tokens are kept like the question
+            protected |= torch.isin(pre.window.key_positions, torch.tensor(seg.link_positions()))
+        with self.lm.lock:
+            pre.output.cache = evict.apply(
+                pre.output.cache, pre.window.queries, pre.window.scaling, pre.window.positions, pre.window.key_positions, protected
+            )
+        kept_chunk = cache_kv(pre.output.cache)[0][0].shape[2] - int(protected.sum())
+        pre.stats.kept_kv_ratio = min(pre.stats.kept_kv_ratio, kept_chunk / max(1, pre.stats.context_tokens))
+
+    def _tokens(self, pre: Prefill, cfg: DecodeConfig) -> Iterator[str]:
+        state = DecodeState()
+        t = time.perf_counter()
+        tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context)
+        while True:
+            with self.lm.lock:
+                piece = next(tokens, None)
+            if piece is None:
+                break
+            yield piece
+        pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
+        pre.stats.decode_s = time.perf_counter() - t
+        pre.stats.generated_tokens = len(state.token_ids)

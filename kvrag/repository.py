@@ -1,0 +1,287 @@
+"""The KV repository: chunk ids, cache keys, entry validation, the prefix KV, and load / compute / store.
+
+Everything a request needs from storage goes through here, so the pipeline sees only stacks of KV
+tensors: what is in the store is validated before use, what is missing is computed and written
+back, and a store fault is a logged miss (see `GuardedStore`), never a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from kvrag.cache_backends import KVEntry, KVStore, content_key
+from kvrag.errors import ChunkNotFoundError, EmptyRetrievalError
+from kvrag.guarded_store import GuardedStore
+from kvrag.layout import PromptLayout
+from kvrag.model import LoadedModel
+from kvrag.options import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
+from kvrag.precompute import KVComputer, LayerStack
+from kvrag.similarity import neighbours_by_embedding, neighbours_from_index
+from kvrag.types import AnswerStats, Chunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrecomputeReport:
+    chunks: int = 0
+    computed: int = 0
+    already_cached: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Resolved:
+    """The chunks of one request: their token ids, plain-entry keys, and entries already loaded."""
+
+    chunks: list[Chunk]
+    token_ids: list[list[int]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    loaded: dict[int, KVEntry] = field(default_factory=dict)
+
+
+class KVRepository:
+    """Chunks by id and their KV: keys from (model, layout, kind, token ids), validated entries, misses computed."""
+
+    def __init__(self, lm: LoadedModel, store: KVStore, layout: PromptLayout, computer: KVComputer, batch_size: int = 8) -> None:
+        self.lm = lm
+        self.store = store
+        self.guarded = GuardedStore(store)
+        self.layout = layout
+        self.computer = computer
+        self.batch_size = batch_size
+        self.chunks: dict[str, Chunk] = {}
+        self._prefix: LayerStack | None = None
+        self._registry_lock = threading.Lock()
+
+    # -- keys and validation ------------------------------------------------------------------
+    def key(self, kind: str, token_ids: Sequence[int]) -> str:
+        return content_key(self.lm.fingerprint, self.layout.identity, kind, token_ids)
+
+    def entry_meta(self, kind: str, n: int) -> dict[str, str]:
+        return {"model": self.lm.fingerprint, "layout": self.layout.identity, "kind": kind, "tokens": str(n)}
+
+    def valid(self, entry: KVEntry | None, kind: str, n: int) -> bool:
+        """Defence in depth: even under a matching key, an entry from another model/layout is a miss."""
+        if entry is None:
+            return False
+        m = entry.meta
+        cfg = self.lm.model.config
+        ok = (
+            m.get("model") == self.lm.fingerprint
+            and m.get("layout") == self.layout.identity
+            and m.get("kind") == kind
+            and entry.num_tokens == n
+            and entry.keys.shape[0] == cfg.num_hidden_layers
+        )
+        if not ok:
+            log.warning("ignoring a cache entry that does not match this model/layout")
+        return ok
+
+    def _to_device(self, entry: KVEntry) -> LayerStack:
+        return entry.keys.to(self.lm.device, self.lm.dtype), entry.values.to(self.lm.device, self.lm.dtype)
+
+    # -- the prefix -----------------------------------------------------------------------------
+    def prefix_kv(self) -> LayerStack:
+        """The system prefix's KV, computed once per (model, system prompt) and kept in the store."""
+        if self._prefix is None:
+            ids = self.layout.prefix_ids
+            key = self.key(KIND_PREFIX, ids)
+            entry = self.guarded.get(key)
+            if self.valid(entry, KIND_PREFIX, len(ids)):
+                self._prefix = self._to_device(entry)
+            else:
+                self._prefix = self.computer.prefix_kv(ids)
+                self.guarded.put(key, KVEntry(*self._prefix, meta=self.entry_meta(KIND_PREFIX, len(ids))))
+        return self._prefix
+
+    # -- chunks by id ---------------------------------------------------------------------------
+    def register(self, chunks: Iterable[Chunk]) -> list[Chunk]:
+        """Remember chunks by id (here and in the store's node-id index) so requests by id find them.
+
+        The index maps a user id to the content key of its current text, so a chunk whose text
+        changed under the same id resolves to a new key: a miss, never stale KV.
+        """
+        out = list(chunks)
+        with self._registry_lock:
+            changed = [c for c in out if self.chunks.get(c.id) != c]
+            for c in out:
+                self.chunks[c.id] = c
+        if changed:
+            self.guarded.link([c.id for c in changed], self.resolve(changed).keys)
+        return out
+
+    def chunk(self, chunk_id: str) -> Chunk:
+        try:
+            return self.chunks[chunk_id]
+        except KeyError:
+            raise ChunkNotFoundError(f"unknown chunk id {chunk_id!r}") from None
+
+    def resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK) -> Resolved:
+        res = Resolved(chunks=list(chunks))
+        for c in res.chunks:
+            ids = self.layout.chunk_ids(c)
+            res.token_ids.append(ids)
+            res.keys.append(self.key(kind, ids))
+        return res
+
+    def lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None, allow_empty: bool = False) -> Resolved:
+        """Chunks given with text, or ids known here, or ids the store's node index can resolve."""
+        if chunks:
+            return self.resolve(self.register(chunks))
+        if not chunk_ids and allow_empty:
+            return Resolved(chunks=[])
+        if not chunk_ids:
+            raise EmptyRetrievalError("no chunks to answer from: pass chunk_ids=[...] or chunks=[...] (retrieval returned nothing?)")
+        from_store = self._entries_by_id([i for i in dict.fromkeys(chunk_ids) if i not in self.chunks])
+        res = Resolved(chunks=[])
+        for i, cid in enumerate(chunk_ids):
+            if cid in self.chunks:
+                chunk = self.chunks[cid]
+                ids = self.layout.chunk_ids(chunk)
+            else:  # known only to the store: the entry carries the token ids
+                entry = from_store[cid]
+                ids = entry.token_ids.tolist()
+                chunk = Chunk(cid, self.lm.tokenizer.decode(ids), metadata={"source": "store"})
+                res.loaded[i] = entry
+            res.chunks.append(chunk)
+            res.token_ids.append(ids)
+            res.keys.append(self.key(KIND_CHUNK, ids))
+        return res
+
+    def _entries_by_id(self, unknown: list[str]) -> dict[str, KVEntry]:
+        """Entries of ids this process never saw, through the store's node-id index."""
+        if not unknown:
+            return {}
+        keys = self.guarded.resolve(unknown)
+        found = [(u, k) for u, k in zip(unknown, keys) if k]
+        entries = self.guarded.get_many([k for _, k in found])
+        out = {}
+        for (uid, _), entry in zip(found, entries):
+            if entry is not None and entry.token_ids is not None and self.valid(entry, KIND_CHUNK, entry.num_tokens):
+                out[uid] = entry
+        missing = [u for u in unknown if u not in out]
+        if missing:
+            raise ChunkNotFoundError(f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text")
+        return out
+
+    def prefetch_keys(self, chunk_ids: Sequence[str] | None = None, chunks: Sequence[Chunk] | None = None) -> list[str]:
+        """Store keys of these chunks (ids unknown here are resolved through the store's index)."""
+        known = list(chunks or ()) + [self.chunks[i] for i in (chunk_ids or ()) if i in self.chunks]
+        keys = self.resolve(known).keys
+        unknown = [i for i in (chunk_ids or ()) if i not in self.chunks]
+        if unknown:
+            keys += [k for k in self.guarded.resolve(unknown) if k]
+        return keys
+
+    # -- precompute -----------------------------------------------------------------------------
+    def precompute(
+        self,
+        chunks: Iterable[Chunk],
+        batch_size: int | None = None,
+        progress: bool = True,
+        kind: str = KIND_CHUNK,
+        neighbours: Mapping[str, Sequence[str]] | None = None,
+        top_n: int = 2,
+        index: Any = None,
+    ) -> PrecomputeReport:
+        """Compute and store the KV of every chunk not cached yet (see `KVRag.precompute`)."""
+        t0 = time.perf_counter()
+        if kind not in CHUNK_KINDS:
+            raise ValueError(f"kind must be one of {CHUNK_KINDS}, got {kind!r}")
+        resolved = self.resolve(self.register(chunks), kind)
+        report = PrecomputeReport(chunks=len(resolved.chunks))
+        missing = [i for i, k in enumerate(resolved.keys) if not self.guarded.contains(k)]
+        report.already_cached = len(resolved.chunks) - len(missing)
+        if missing:
+            context = None
+            if kind == KIND_SIMILARITY:
+                context = self._neighbour_context([resolved.chunks[i] for i in missing], neighbours, top_n, index)
+            self.compute_and_store(resolved, missing, batch_size, progress, kind, context)
+            report.computed = len(missing)
+            report.tokens = sum(len(resolved.token_ids[i]) for i in missing)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _neighbour_context(
+        self, chunks: list[Chunk], neighbours: Mapping[str, Sequence[str]] | None, top_n: int, index: Any
+    ) -> list[list[int]]:
+        if neighbours is None:
+            if index is not None:
+                neighbours = neighbours_from_index(index, chunks, top_n)
+                self.register(index.get(sorted({n for ns in neighbours.values() for n in ns})))
+            else:
+                neighbours = neighbours_by_embedding(list(self.chunks.values()), top_n)
+        unknown = sorted({n for c in chunks for n in neighbours.get(c.id, ()) if n not in self.chunks})
+        if unknown:
+            raise ChunkNotFoundError(f"neighbour chunk ids not known to the engine: {unknown[:5]}; register() or precompute() them")
+        context = []
+        for c in chunks:
+            ids: list[int] = []
+            for n in neighbours.get(c.id, ()):
+                ids.extend(self.layout.chunk_ids(self.chunks[n]))
+            context.append(ids)
+        return context
+
+    def compute_and_store(
+        self,
+        resolved: Resolved,
+        idx: list[int],
+        batch_size: int | None,
+        progress: bool,
+        kind: str = KIND_CHUNK,
+        context: list[list[int]] | None = None,
+    ) -> list[LayerStack]:
+        stacks = self.computer.chunk_kv(
+            self.prefix_kv(),
+            [resolved.token_ids[i] for i in idx],
+            batch_size=batch_size or self.batch_size,
+            progress=progress,
+            context=context,
+        )
+        for i, (k, v) in zip(idx, stacks):
+            ids = resolved.token_ids[i]
+            entry = KVEntry(k, v, meta=self.entry_meta(kind, len(ids)), token_ids=torch.tensor(ids, dtype=torch.int64))
+            self.guarded.put(self.key(kind, ids), entry)
+        return stacks
+
+    # -- loading --------------------------------------------------------------------------------
+    def load_chunks(self, resolved: Resolved, stats: AnswerStats, kind: str = KIND_CHUNK) -> list[LayerStack]:
+        """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept)."""
+        if kind not in CHUNK_KINDS:
+            raise ValueError(f"kv_kind must be one of {CHUNK_KINDS}, got {kind!r}")
+        t = time.perf_counter()
+        stacks: list[LayerStack | None] = [None] * len(resolved.chunks)
+        kinds = [kind] if kind == KIND_CHUNK else [kind, KIND_CHUNK]
+        for k in kinds:
+            todo = [i for i, st in enumerate(stacks) if st is None]
+            if not todo:
+                break
+            entries: dict[int, KVEntry | None] = {}
+            if k == KIND_CHUNK and resolved.loaded:
+                entries = {i: resolved.loaded[i] for i in todo if i in resolved.loaded}
+                todo = [i for i in todo if i not in entries]
+            keys = [self.key(k, resolved.token_ids[i]) for i in todo]
+            entries.update(zip(todo, self.guarded.get_many(keys)))
+            for i, e in entries.items():
+                if self.valid(e, k, len(resolved.token_ids[i])):
+                    stats.cache_hits += 1
+                    stats.bytes_loaded += e.nbytes
+                    stacks[i] = self._to_device(e)
+        stats.path = kind
+        stats.load_s = time.perf_counter() - t
+        misses = [i for i, st in enumerate(stacks) if st is None]
+        if misses:
+            stats.cache_misses = len(misses)
+            computed = self.compute_and_store(resolved, misses, None, progress=False)
+            for i, st in zip(misses, computed):
+                stacks[i] = st
+            stats.chunk_prefill_tokens = sum(len(resolved.token_ids[i]) for i in misses)
+        return stacks  # type: ignore[return-value]
