@@ -5,10 +5,19 @@ parts live in one slot of a Redis Cluster; reads use a non-transactional pipelin
 redis-py's cluster client routes per node. For a cluster, pass the client:
 `RedisStore(client=redis.cluster.RedisCluster(host=..., port=...))`.
 
-Faults: a connection error marks the server down for a back-off period (doubling up to 30 s);
-while down, reads are fast misses and writes are skipped, with one warning per outage, so the
-engine computes chunks instead and keeps serving. Parts are written before the manifest that
-names them, so a reader never sees an entry whose parts are missing.
+URL options (see redis_options.py): `socket_timeout` (default 0.5 s per read or write),
+`connect_timeout` (default 1 s), `ttl`, `part_bytes`, `max_entry_bytes` (default 4 GiB - 1),
+`quantize`; an unknown option or a malformed value is a ValueError. The URL is shown only
+redacted (`redis://user:***@host:port/db`): in `.url`, the repr and every log line.
+
+Faults: a connection error or a timeout marks the server down for a back-off period (doubling up
+to 30 s); while down, reads are fast misses and writes are skipped, with one warning per outage,
+so the engine computes chunks instead and keeps serving. Timeouts are never retried (a frozen
+server costs one `socket_timeout`); a broken pooled connection is retried once, on a fresh one.
+A command the server refuses (OOM under `maxmemory`, a key of the wrong type) is a logged skip or
+a miss, without a back-off. Parts are written, and acknowledged, before the manifest that names
+them, so a reader never sees an entry whose parts are missing. Every count and length read back is
+bounded: a malformed manifest is a logged miss and is deleted, like a corrupt entry.
 """
 
 from __future__ import annotations
@@ -16,16 +25,40 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import Any, Sequence
-from urllib.parse import parse_qs, urlparse
+from typing import Any, Callable, Sequence, TypeVar
 
-from .base import ByteStore, StoreError
+from .base import ByteStore, CorruptEntryError, StoreError, check_key
+from .redis_options import RedisOptions, connection_url, url_secrets
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _PREFIX = "kvrag:"
 _INDEX = "kvrag:index"
-_MANIFEST = b"KVRAGPARTS"  # value of a split entry: magic + part count + total length
+_MANIFEST = b"KVRAGPARTS"  # value of a split entry: magic + part count, total length, part size (uint32 each)
+_MAX_PARTS = 1 << 16  # one entry is never split further; bounds a read whatever a manifest claims
+_BATCH = 64  # parts fetched per round trip, so a read stops early at a missing part
+_WARN_EVERY = 60.0  # seconds between two warnings about refused commands of one kind
+
+
+def parse_manifest(value: bytes, max_entry_bytes: int) -> tuple[int, int, int | None]:
+    """(part count, total length, part size or None for manifests older than the part size field).
+
+    Raises CorruptEntryError unless the numbers agree with each other and the limits, so a damaged
+    or hostile manifest never makes a read fetch more than max_entry_bytes or _MAX_PARTS parts."""
+    body = value[len(_MANIFEST) :]
+    if len(body) == 8:
+        (count, total), part = struct.unpack("<II", body), None
+    elif len(body) == 12:
+        count, total, part = struct.unpack("<III", body)
+    else:
+        raise CorruptEntryError(f"split-entry manifest has {len(body)} bytes after its magic, expected 8 or 12")
+    if not 0 < total <= max_entry_bytes:
+        raise CorruptEntryError(f"manifest claims {total} bytes (max_entry_bytes={max_entry_bytes})")
+    consistent = count == -(-total // part) if part else 1 <= count <= total
+    if not consistent or count > _MAX_PARTS:
+        raise CorruptEntryError(f"manifest claims {count} parts for {total} bytes in parts of {part or '?'}")
+    return count, total, part
 
 
 class RedisStore(ByteStore):
@@ -34,31 +67,49 @@ class RedisStore(ByteStore):
         url: str = "redis://127.0.0.1:6379/0",
         client: Any = None,
         ttl: int | None = None,
-        part_bytes: int = 32 << 20,
-        quantize: bool = False,
-        socket_timeout: float = 5.0,
+        part_bytes: int | None = None,
+        quantize: bool | None = None,
+        socket_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        max_entry_bytes: int | None = None,
     ) -> None:
-        super().__init__(quantize=quantize)
+        """Options come from the URL; keyword arguments given (not None) override them."""
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError as exc:  # pragma: no cover - the [redis] extra
             raise StoreError("the Redis store needs the redis package: pip install 'kvrag[redis]'") from exc
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-        self.url = url
-        q = parse_qs(urlparse(url).query)
-        self.ttl = ttl if ttl is not None else (int(q["ttl"][0]) if "ttl" in q else None)
-        self.part_bytes = int(q["part_bytes"][0]) if "part_bytes" in q else part_bytes
+        o = RedisOptions.from_url(url, ttl=ttl, part_bytes=part_bytes, quantize=quantize,
+                                  socket_timeout=socket_timeout, connect_timeout=connect_timeout,
+                                  max_entry_bytes=max_entry_bytes)  # fmt: skip
+        super().__init__(quantize=o.quantize)
+        self.options, self.url, self.ttl, self.part_bytes = o, o.url, o.ttl, o.part_bytes
+        self._secrets = url_secrets(url)
+        self._down_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._refusals = (redis.exceptions.RedisError,)
         if client is None:
-            clean = url.split("?", 1)[0]
             client = redis.Redis.from_url(
-                clean, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout, health_check_interval=30
+                connection_url(url),
+                socket_timeout=o.socket_timeout,
+                socket_connect_timeout=o.connect_timeout,
+                health_check_interval=30,
+                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             )
         self.client = client
         self._down_until = 0.0
         self._backoff = 0.5
         self._warned = False
+        self._last_warning: dict[str, float] = {}
 
     # -- fault handling ---------------------------------------------------------------------------
+    def _redact(self, text: object) -> str:
+        """Exception texts may echo what was sent; no credential of the URL reaches a log line."""
+        text = str(text)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
 
@@ -69,7 +120,8 @@ class RedisStore(ByteStore):
             self._backoff = min(self._backoff * 2, 30.0)
             if not self._warned:
                 self._warned = True
-                log.warning("Redis at %s unreachable (%s); computing chunks instead until it is back", self.url, exc)
+                log.warning("Redis at %s unreachable (%s: %s); computing chunks instead until it is back",
+                            self.url, type(exc).__name__, self._redact(exc))  # fmt: skip
 
     def _recovered(self) -> None:
         if self._warned or self._backoff != 0.5:
@@ -79,13 +131,28 @@ class RedisStore(ByteStore):
                 self._warned = False
                 self._backoff = 0.5
 
-    def _call(self, fn, default):
+    def _refused(self, what: str, exc: Exception) -> None:
+        """The server is up but refused a command: count it, warn now and then, no back-off."""
+        now = time.monotonic()
+        with self._lock:
+            self._stats.errors += 1
+            if now - self._last_warning.get(what, -_WARN_EVERY) < _WARN_EVERY:
+                return
+            self._last_warning[what] = now
+        log.warning("Redis at %s refused a %s, skipped (%s: %s)", self.url, what, type(exc).__name__,
+                    self._redact(exc)[:300])  # fmt: skip
+
+    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """Run fn unless the server is down; any Redis fault becomes `default`, never an exception."""
         if not self._available():
             return default
         try:
             result = fn()
-        except self._errors as exc:
+        except self._down_errors as exc:
             self._failed(exc)
+            return default
+        except self._refusals as exc:
+            self._refused(what, exc)
             return default
         self._recovered()
         return result
@@ -100,62 +167,103 @@ class RedisStore(ByteStore):
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.get(self._name(k))
-            values = pipe.execute()
+            values = pipe.execute(raise_on_error=False)  # one refused key is a miss, not all of them
             return [self._join(k, v) for k, v in zip(keys, values)]
 
-        return self._call(run, [None] * len(keys))
+        return self._call("read", run, [None] * len(keys))
 
-    def _join(self, key: str, value: bytes | None) -> bytes | None:
+    def _join(self, key: str, value: Any) -> bytes | None:
+        """The entry's bytes from its value: as is, or gathered from the parts its manifest names."""
+        if isinstance(value, Exception):
+            self._refused("read", value)
+            return None
         if value is None or not value.startswith(_MANIFEST):
             return value
-        count, total = struct.unpack("<II", value[len(_MANIFEST) : len(_MANIFEST) + 8])
-        pipe = self.client.pipeline(transaction=False)
-        for i in range(1, count + 1):
-            pipe.get(self._name(key, i))
-        parts = pipe.execute()
-        if any(p is None for p in parts):
-            return None  # a part expired or was evicted: a miss
-        data = b"".join(parts)
-        return data if len(data) == total else None
+        try:
+            return self._read_parts(key, *parse_manifest(value, self.options.max_entry_bytes))
+        except CorruptEntryError as exc:
+            log.warning("deleting corrupt cache entry %s…: %s", key[:12], exc)
+            with self._lock:
+                self._stats.errors += 1
+            self.client.delete(self._name(key))  # its parts expire or are overwritten by the next put
+            return None
+
+    def _read_parts(self, key: str, count: int, total: int, part_bytes: int | None) -> bytes | None:
+        """Parts in batches; None when one is missing (expired, evicted), corrupt when sizes disagree."""
+        parts: list[bytes] = []
+        size = 0
+        for start in range(1, count + 1, _BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            for i in range(start, min(start + _BATCH, count + 1)):
+                pipe.get(self._name(key, i))
+            for i, part in enumerate(pipe.execute(), start):
+                if part is None:
+                    return None
+                size += len(part)
+                if size > total or (part_bytes and i < count and len(part) != part_bytes):
+                    raise CorruptEntryError(f"part {i} of {count} has {len(part)} bytes, not what the manifest says")
+                parts.append(part)
+        if size != total:
+            raise CorruptEntryError(f"parts hold {size} bytes, the manifest says {total}")
+        return b"".join(parts)
 
     def _write(self, key: str, data: bytes) -> None:
-        def run() -> None:
-            pipe = self.client.pipeline(transaction=False)
-            if len(data) <= self.part_bytes:
-                pipe.set(self._name(key), data, ex=self.ttl)
-            else:
-                parts = [data[i : i + self.part_bytes] for i in range(0, len(data), self.part_bytes)]
-                for i, part in enumerate(parts, 1):
-                    pipe.set(self._name(key, i), part, ex=self.ttl)
-                manifest = _MANIFEST + struct.pack("<II", len(parts), len(data))
-                pipe.set(self._name(key), manifest, ex=self.ttl)  # after its parts
-            pipe.execute()
+        size, step = len(data), self.part_bytes
+        if size > self.options.max_entry_bytes or -(-size // step) > _MAX_PARTS:
+            log.warning("not storing entry %s… of %d bytes: over max_entry_bytes=%d or %d parts of part_bytes=%d",
+                        key[:12], size, self.options.max_entry_bytes, _MAX_PARTS, step)  # fmt: skip
+            with self._lock:
+                self._stats.errors += 1
+            return
 
-        self._call(run, None)
+        def run() -> None:
+            if size <= step:
+                self.client.set(self._name(key), data, ex=self.ttl)
+                return
+            pipe = self.client.pipeline(transaction=False)
+            for i, start in enumerate(range(0, size, step), 1):
+                pipe.set(self._name(key, i), data[start : start + step], ex=self.ttl)
+            pipe.execute()  # raises on a refused part: then no manifest names it
+            manifest = _MANIFEST + struct.pack("<III", -(-size // step), size, step)
+            self.client.set(self._name(key), manifest, ex=self.ttl)
+
+        self._call("write", run, None)
 
     def _remove(self, key: str) -> None:
         def run() -> None:
             head = self.client.get(self._name(key))
             names = [self._name(key)]
             if head is not None and head.startswith(_MANIFEST):
-                count = struct.unpack("<I", head[len(_MANIFEST) : len(_MANIFEST) + 4])[0]
+                try:
+                    count = parse_manifest(head, self.options.max_entry_bytes)[0]
+                except CorruptEntryError:
+                    count = 0  # a bogus count names no parts worth asking for
                 names += [self._name(key, i) for i in range(1, count + 1)]
             self.client.delete(*names)
 
-        self._call(run, None)
+        self._call("delete", run, None)
 
     def _exists(self, key: str) -> bool:
-        return bool(self._call(lambda: self.client.exists(self._name(key)), 0))
+        return bool(self._call("read", lambda: self.client.exists(self._name(key)), 0))
 
     def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
+        """HSET recreates the index if it was lost (FLUSHALL, a restart, eviction)."""
         if user_ids:
-            self._call(lambda: self.client.hset(_INDEX, mapping=dict(zip(user_ids, keys))), None)
+            self._call("index write", lambda: self.client.hset(_INDEX, mapping=dict(zip(user_ids, keys))), None)
 
     def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
+        """A lost index, a lost id or a value that is not a store key resolves to None."""
         if not user_ids:
             return []
-        values = self._call(lambda: self.client.hmget(_INDEX, list(user_ids)), [None] * len(user_ids))
-        return [v.decode() if isinstance(v, bytes) else v for v in values]
+        values = self._call("index read", lambda: self.client.hmget(_INDEX, list(user_ids)), [None] * len(user_ids))
+        return [self._as_key(v) for v in values]
+
+    @staticmethod
+    def _as_key(value: Any) -> str | None:
+        try:
+            return check_key(value.decode("ascii") if isinstance(value, bytes) else value)
+        except (StoreError, UnicodeDecodeError):
+            return None
 
     @property
     def available(self) -> bool:
@@ -163,4 +271,4 @@ class RedisStore(ByteStore):
         return self._available()
 
     def __repr__(self) -> str:
-        return f"RedisStore({self.url.split('@')[-1]}, ttl={self.ttl})"
+        return f"RedisStore({self.url}, ttl={self.ttl})"
