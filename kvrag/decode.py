@@ -56,6 +56,56 @@ def pick_token(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | N
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+class IncrementalText:
+    """The text of a growing token list, decoded a few tokens at a time instead of all of it per step.
+
+    Each step decodes only the tokens since the last emitted piece, with the piece before them as
+    context (so tokenizers that merge spaces across tokens decode as they would in full), and holds
+    the text back while it ends in an incomplete character.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        """Append a token; returns the text it completed (possibly empty)."""
+        self.ids.append(token)
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd") or not new_text.startswith(self._prefix_text):
+            if not new_text.startswith(self._prefix_text) and not new_text.endswith("\ufffd"):
+                return self._resync()
+            return ""
+        piece = new_text[len(self._prefix_text) :]
+        self.text += piece
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self._prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        return piece
+
+    def _resync(self) -> str:
+        """Rare: the context decoded differently once more tokens came; fall back to a full decode."""
+        full = self._decode(self.ids)
+        piece = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += piece
+        self._prefix_offset = self._read_offset = len(self.ids)
+        self._prefix_text = ""
+        return piece
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end), as a full decode would give it."""
+        full = self._decode(self.ids)
+        piece = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += piece
+        return piece
+
+
 @dataclass
 class DecodeState:
     """Filled in while decoding so callers can read counts after the stream ends."""
@@ -84,7 +134,7 @@ def stream_tokens(
         gen = torch.Generator(device=first_logits.device).manual_seed(cfg.seed)
     logits = first_logits
     emitted = 0
-    text = ""
+    detok = IncrementalText(tok)
     pos = next_position
     for step in range(cfg.max_new_tokens):
         token = pick_token(logits, cfg, gen)
@@ -92,7 +142,8 @@ def stream_tokens(
             state.finish_reason = "eos"
             break
         state.token_ids.append(token)
-        text = tok.decode(state.token_ids, skip_special_tokens=True)
+        detok.add(token)
+        text = detok.text
         cut = min((text.find(s) for s in stops if s in text), default=-1)
         if cut >= 0:
             if cut > emitted:
@@ -100,8 +151,6 @@ def stream_tokens(
             state.finish_reason = "stop"
             return
         safe = len(text) - hold
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            safe = min(safe, len(text) - 1)
         if safe > emitted:
             yield text[emitted:safe]
             emitted = safe
@@ -118,5 +167,11 @@ def stream_tokens(
         pos += 1
     else:
         state.finish_reason = state.finish_reason or "length"
+    detok.flush()
+    text = detok.text
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    if cut >= 0:
+        text = text[:cut]
+        state.finish_reason = "stop"
     if len(text) > emitted:
         yield text[emitted:]

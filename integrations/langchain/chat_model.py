@@ -21,6 +21,7 @@ from pydantic import AliasChoices, Field, PrivateAttr
 
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.model import BUNDLED_NAME
+from kvrag.options import AnswerOptions
 from kvrag.types import AnswerStats, Chunk
 
 _ROLES = {"system": "System", "human": "User", "ai": "Assistant", "tool": "Tool", "function": "Function"}
@@ -166,21 +167,20 @@ class ChatKVRag(BaseChatModel):
             raise ValueError(f"ChatKVRag serves one model ({self.model_label}); per-call model={model!r} is not supported")
         if "max_tokens" in kwargs:
             kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
-        call: dict[str, Any] = {
-            "method": self.method,
-            "recompute_ratio": self.recompute_ratio,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
+        opts = AnswerOptions.from_kwargs(
+            method=self.method,
+            recompute_ratio=self.recompute_ratio,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
             **self.method_params,
-            **kwargs,
-            "stop": self._stops(stop) or None,
-        }
+        )
+        opts = AnswerOptions.from_kwargs(opts, **kwargs, stop=self._stops(stop) or None)
         rag = self.rag
         if documents is not None:
-            return rag.stream(last_human_text(messages), chunks=documents_to_chunks(documents), **call)
-        return rag.complete(messages_to_prompt(messages), **call)
+            return rag.stream(last_human_text(messages), chunks=documents_to_chunks(documents), options=opts)
+        return rag.complete(messages_to_prompt(messages), options=opts)
 
     def _pieces(self, stream: AnswerStream) -> Iterator[str]:
         """The stream's text pieces, the leading whitespace dropped to match `invoke`'s stripped answer."""

@@ -20,6 +20,7 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvrag.engine import AnswerStream, KVRag
+from kvrag.options import AnswerOptions
 from kvrag.types import AnswerStats, Chunk
 
 
@@ -84,23 +85,27 @@ class KVRagLLM(CustomLLM):
             model_name=self.model_name or self._rag.lm.source,
         )
 
+    def options(self, **overrides: Any) -> AnswerOptions:
+        """This LLM's answer options (its fields), with a call's keyword arguments on top."""
+        base = AnswerOptions.from_kwargs(
+            method=self.method,
+            recompute_ratio=self.recompute_ratio,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+        )
+        return AnswerOptions.from_kwargs(base, **overrides)
+
     def _start(self, prompt: str, kwargs: dict[str, Any]) -> AnswerStream:
-        opts = {
-            "method": kwargs.pop("method", self.method),
-            "recompute_ratio": kwargs.pop("recompute_ratio", self.recompute_ratio),
-            "max_new_tokens": kwargs.pop("max_new_tokens", self.max_new_tokens),
-            "temperature": kwargs.pop("temperature", self.temperature),
-            "top_p": kwargs.pop("top_p", self.top_p),
-        }
-        if "stop" in kwargs:
-            opts["stop"] = kwargs.pop("stop")
+        known = ("method", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "stop")
+        opts = self.options(**{k: kwargs.pop(k) for k in known if k in kwargs})
         pending = _PENDING.get()
         if pending is not None:
             _PENDING.set(None)  # one hand-over serves one call
-            stream = self._rag.stream(pending.query, chunks=pending.chunks, **opts)
+            stream = self._rag.stream(pending.query, chunks=pending.chunks, options=opts)
             stream.stats.path = "postprocessor"
         else:
-            stream = self._rag.complete(prompt, **opts)
+            stream = self._rag.complete(prompt, options=opts)
         self._last_stats = stream.stats
         return stream
 
