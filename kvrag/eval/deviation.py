@@ -10,7 +10,10 @@ from typing import Sequence
 
 import torch
 
-from kvrag.engine import KIND_CHUNK, KVRag
+from kvrag.cache import cache_kv
+from kvrag.engine import KVRag
+from kvrag.options import KIND_CHUNK, KIND_SIMILARITY
+from kvrag.similarity import neighbours_by_embedding
 
 
 def kv_deviation(rag: KVRag, question: str, chunk_ids: Sequence[str], kv_kind: str = KIND_CHUNK) -> torch.Tensor:
@@ -18,8 +21,9 @@ def kv_deviation(rag: KVRag, question: str, chunk_ids: Sequence[str], kv_kind: s
     full = rag.prefill(question, chunk_ids, method="full")
     reuse = rag.prefill(question, chunk_ids, method="reuse", kv_kind=kv_kind)
     s, e = len(reuse.segments.prefix), reuse.segments.context_len
-    fk = torch.stack([layer.keys[0, :, s:e] for layer in full.output.cache.layers])
-    fv = torch.stack([layer.values[0, :, s:e] for layer in full.output.cache.layers])
+    full_kv = cache_kv(full.output.cache)
+    fk = torch.stack([k[0, :, s:e] for k, _ in full_kv])
+    fv = torch.stack([v[0, :, s:e] for _, v in full_kv])
     dk = (fk.float() - reuse.stitched.keys[:, :, s:e].float()).pow(2).sum(dim=(1, 3))
     dv = (fv.float() - reuse.stitched.values[:, :, s:e].float()).pow(2).sum(dim=(1, 3))
     return (dk + dv).mean(dim=1)
@@ -28,9 +32,6 @@ def kv_deviation(rag: KVRag, question: str, chunk_ids: Sequence[str], kv_kind: s
 def deviation_study(rag: KVRag, examples, top_n: int = 2) -> dict:
     """Mean KV deviation of plain vs similarity-guided entries over `examples` (neighbours: the
     top-n most similar chunks among each example's retrieved chunks)."""
-    from kvrag.engine import KIND_SIMILARITY
-    from kvrag.similarity import neighbours_by_embedding
-
     plain, sim = [], []
     for ex in examples:
         ids = [c.id for c in ex.chunks]
