@@ -116,6 +116,8 @@ class KVRagCore:
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
+        if isinstance(chunk_ids, (str, bytes)):
+            raise TypeError(f"chunk_ids must be a list of ids, not one string ({chunk_ids!r}): pass [{chunk_ids!r}]")
         opts = AnswerOptions.from_kwargs(options, **kwargs)
         resolved = self.repo.lookup(chunk_ids, chunks, allow_empty)
         return self.pipeline.prefill(question, resolved, opts)

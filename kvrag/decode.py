@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -19,12 +20,16 @@ class DecodeConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError("max_new_tokens must be >= 0")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:
@@ -64,6 +69,8 @@ class IncrementalText:
     the text back while it ends in an incomplete character.
     """
 
+    MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-level tokens
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
@@ -79,10 +86,13 @@ class IncrementalText:
         """Append a token; returns the text it completed (possibly empty)."""
         self.ids.append(token)
         new_text = self._decode(self.ids[self._prefix_offset :])
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd") or not new_text.startswith(self._prefix_text):
-            if not new_text.startswith(self._prefix_text) and not new_text.endswith("\ufffd"):
-                return self._resync()
+        # an incomplete character at the end: wait, but no longer than a character's bytes can take
+        # (a model that emits invalid bytes would otherwise never stream)
+        waiting = new_text.endswith("\ufffd") and len(self.ids) - self._read_offset < self.MAX_CHAR_TOKENS
+        if waiting or len(new_text) <= len(self._prefix_text):
             return ""
+        if not new_text.startswith(self._prefix_text):
+            return self._resync()
         piece = new_text[len(self._prefix_text) :]
         self.text += piece
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)

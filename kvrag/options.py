@@ -42,6 +42,9 @@ class AnswerOptions:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
+        ratio = self.recompute_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+            raise ValueError(f"recompute_ratio must be a number within [0, 1], got {ratio!r}")
         if self.kv_kind not in CHUNK_KINDS:
             raise ValueError(f"kv_kind must be one of {CHUNK_KINDS}, got {self.kv_kind!r}")
 

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from kvrag.cache_backends import KVEntry, KVStore, content_key
+from kvrag.cache_backends.format import FORMAT_VERSION
+from kvrag.entry_check import entry_problem
 from kvrag.errors import ChunkNotFoundError, EmptyRetrievalError
 from kvrag.guarded_store import GuardedStore
 from kvrag.layout import PromptLayout
@@ -24,8 +26,12 @@ from kvrag.options import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
 from kvrag.precompute import KVComputer, LayerStack
 from kvrag.similarity import neighbours_by_embedding, neighbours_from_index
 from kvrag.types import AnswerStats, Chunk
+from kvrag.version import __version__
 
 log = logging.getLogger(__name__)
+
+# What a key is made of beyond the tokens: bump KEY_SCHEMA when the meaning of an entry changes.
+KEY_SCHEMA = "kvrag-key-2"
 
 
 @dataclass
@@ -58,32 +64,36 @@ class KVRepository:
         self.computer = computer
         self.batch_size = batch_size
         self.chunks: dict[str, Chunk] = {}
+        self.similarity_context: dict[str, str] = {}  # chunk id -> digest of the neighbours its similarity entry was computed after
         self._prefix: LayerStack | None = None
         self._registry_lock = threading.Lock()
 
     # -- keys and validation ------------------------------------------------------------------
-    def key(self, kind: str, token_ids: Sequence[int]) -> str:
-        return content_key(self.lm.fingerprint, self.layout.identity, kind, token_ids)
+    def key(self, kind: str, token_ids: Sequence[int], context: str = "") -> str:
+        """The store key of an entry: model, layout, kind, tokens, and everything else its KV
+        depends on (storage quantisation, entry format, code version, a similarity entry's context)."""
+        storage = "int8" if getattr(self.store, "quantize", False) else "exact"
+        return content_key(
+            self.lm.fingerprint, self.layout.identity, kind, token_ids, KEY_SCHEMA, FORMAT_VERSION, __version__, storage, context
+        )
+
+    def similarity_key(self, chunk: Chunk, token_ids: Sequence[int]) -> str | None:
+        """The key of a chunk's similarity-guided entry for the neighbour set it was precomputed with."""
+        context = self.similarity_context.get(chunk.id)
+        return None if context is None else self.key(KIND_SIMILARITY, token_ids, context)
 
     def entry_meta(self, kind: str, n: int) -> dict[str, str]:
         return {"model": self.lm.fingerprint, "layout": self.layout.identity, "kind": kind, "tokens": str(n)}
 
-    def valid(self, entry: KVEntry | None, kind: str, n: int) -> bool:
-        """Defence in depth: even under a matching key, an entry from another model/layout is a miss."""
+    def valid(self, entry: KVEntry | None, kind: str, n: int, token_ids: Sequence[int] | None = None) -> bool:
+        """Defence in depth: under a matching key, an entry must still be this model's, for these
+        tokens, of the right shape, and finite; anything else is a miss (and gets replaced)."""
         if entry is None:
             return False
-        m = entry.meta
-        cfg = self.lm.model.config
-        ok = (
-            m.get("model") == self.lm.fingerprint
-            and m.get("layout") == self.layout.identity
-            and m.get("kind") == kind
-            and entry.num_tokens == n
-            and entry.keys.shape[0] == cfg.num_hidden_layers
-        )
-        if not ok:
-            log.warning("ignoring a cache entry that does not match this model/layout")
-        return ok
+        problem = entry_problem(entry, self.lm, self.layout.identity, kind, token_ids, n)
+        if problem is not None:
+            log.warning("ignoring a %s cache entry (%d tokens): %s; it will be recomputed and replaced", kind, n, problem)
+        return problem is None
 
     def _to_device(self, entry: KVEntry) -> LayerStack:
         return entry.keys.to(self.lm.device, self.lm.dtype), entry.values.to(self.lm.device, self.lm.dtype)
@@ -95,15 +105,16 @@ class KVRepository:
             ids = self.layout.prefix_ids
             key = self.key(KIND_PREFIX, ids)
             entry = self.guarded.get(key)
-            if self.valid(entry, KIND_PREFIX, len(ids)):
+            if self.valid(entry, KIND_PREFIX, len(ids), ids):
                 self._prefix = self._to_device(entry)
             else:
                 self._prefix = self.computer.prefix_kv(ids)
-                self.guarded.put(key, KVEntry(*self._prefix, meta=self.entry_meta(KIND_PREFIX, len(ids))))
+                token_ids = torch.tensor(ids, dtype=torch.int64)
+                self.guarded.put(key, KVEntry(*self._prefix, meta=self.entry_meta(KIND_PREFIX, len(ids)), token_ids=token_ids))
         return self._prefix
 
     # -- chunks by id ---------------------------------------------------------------------------
-    def register(self, chunks: Iterable[Chunk]) -> list[Chunk]:
+    def register(self, chunks: Iterable[Chunk], relink: bool = True) -> list[Chunk]:
         """Remember chunks by id (here and in the store's node-id index) so requests by id find them.
 
         The index maps a user id to the content key of its current text, so a chunk whose text
@@ -114,9 +125,20 @@ class KVRepository:
             changed = [c for c in out if self.chunks.get(c.id) != c]
             for c in out:
                 self.chunks[c.id] = c
-        if changed:
-            self.guarded.link([c.id for c in changed], self.resolve(changed).keys)
+        self.link(out if relink else changed)
         return out
+
+    @property
+    def namespace(self) -> str:
+        """The node-id index namespace: ids map to keys per (model, layout), so engines with another
+        model or system prompt sharing a store never overwrite each other's ids."""
+        return content_key(self.lm.fingerprint, self.layout.identity)[:16]
+
+    def link(self, chunks: Sequence[Chunk]) -> None:
+        """(Re)write these chunks' ids in the store's index: a store that lost its index (a Redis
+        restart, FLUSHALL, eviction) gets it back on the next register or precompute."""
+        if chunks:
+            self.guarded.link([f"{self.namespace}/{c.id}" for c in chunks], self.resolve(chunks).keys)
 
     def chunk(self, chunk_id: str) -> Chunk:
         try:
@@ -127,7 +149,11 @@ class KVRepository:
     def resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK) -> Resolved:
         res = Resolved(chunks=list(chunks))
         for c in res.chunks:
+            if not isinstance(c.text, str) or not c.text.strip():
+                raise ValueError(f"chunk {c.id!r} has no text: a chunk must hold text to be cached or answered from")
             ids = self.layout.chunk_ids(c)
+            if not ids:
+                raise ValueError(f"chunk {c.id!r} has no tokens (empty text?): it cannot be cached or answered from")
             res.token_ids.append(ids)
             res.keys.append(self.key(kind, ids))
         return res
@@ -135,7 +161,7 @@ class KVRepository:
     def lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None, allow_empty: bool = False) -> Resolved:
         """Chunks given with text, or ids known here, or ids the store's node index can resolve."""
         if chunks:
-            return self.resolve(self.register(chunks))
+            return self.resolve(self.register(chunks, relink=False))
         if not chunk_ids and allow_empty:
             return Resolved(chunks=[])
         if not chunk_ids:
@@ -160,12 +186,15 @@ class KVRepository:
         """Entries of ids this process never saw, through the store's node-id index."""
         if not unknown:
             return {}
-        keys = self.guarded.resolve(unknown)
+        keys = self.guarded.resolve([f"{self.namespace}/{u}" for u in unknown])
         found = [(u, k) for u, k in zip(unknown, keys) if k]
         entries = self.guarded.get_many([k for _, k in found])
         out = {}
-        for (uid, _), entry in zip(found, entries):
-            if entry is not None and entry.token_ids is not None and self.valid(entry, KIND_CHUNK, entry.num_tokens):
+        for (uid, key), entry in zip(found, entries):
+            if entry is None or entry.token_ids is None:
+                continue
+            ids = entry.token_ids.reshape(-1).tolist()
+            if self.key(KIND_CHUNK, ids) == key and self.valid(entry, KIND_CHUNK, len(ids), ids):  # its tokens hash to its key
                 out[uid] = entry
         missing = [u for u in unknown if u not in out]
         if missing:
@@ -178,7 +207,7 @@ class KVRepository:
         keys = self.resolve(known).keys
         unknown = [i for i in (chunk_ids or ()) if i not in self.chunks]
         if unknown:
-            keys += [k for k in self.guarded.resolve(unknown) if k]
+            keys += [k for k in self.guarded.resolve([f"{self.namespace}/{u}" for u in unknown]) if k]
         return keys
 
     # -- precompute -----------------------------------------------------------------------------
@@ -197,14 +226,17 @@ class KVRepository:
         if kind not in CHUNK_KINDS:
             raise ValueError(f"kind must be one of {CHUNK_KINDS}, got {kind!r}")
         resolved = self.resolve(self.register(chunks), kind)
+        context: list[list[int]] | None = None
+        if kind == KIND_SIMILARITY:  # the neighbours are part of the entry's identity (and key)
+            context = self._neighbour_context(resolved.chunks, neighbours, top_n, index)
+            for i, (c, ctx) in enumerate(zip(resolved.chunks, context)):
+                self.similarity_context[c.id] = content_key(f"top_n={top_n}", ctx)
+                resolved.keys[i] = self.similarity_key(c, resolved.token_ids[i])
         report = PrecomputeReport(chunks=len(resolved.chunks))
         missing = [i for i, k in enumerate(resolved.keys) if not self.guarded.contains(k)]
         report.already_cached = len(resolved.chunks) - len(missing)
         if missing:
-            context = None
-            if kind == KIND_SIMILARITY:
-                context = self._neighbour_context([resolved.chunks[i] for i in missing], neighbours, top_n, index)
-            self.compute_and_store(resolved, missing, batch_size, progress, kind, context)
+            self.compute_and_store(resolved, missing, batch_size, progress, kind, [context[i] for i in missing] if context else None)
             report.computed = len(missing)
             report.tokens = sum(len(resolved.token_ids[i]) for i in missing)
         report.seconds = time.perf_counter() - t0
@@ -249,7 +281,9 @@ class KVRepository:
         for i, (k, v) in zip(idx, stacks):
             ids = resolved.token_ids[i]
             entry = KVEntry(k, v, meta=self.entry_meta(kind, len(ids)), token_ids=torch.tensor(ids, dtype=torch.int64))
-            self.guarded.put(self.key(kind, ids), entry)
+            key = self.similarity_key(resolved.chunks[i], ids) if kind == KIND_SIMILARITY else self.key(kind, ids)
+            if key is not None:
+                self.guarded.put(key, entry)
         return stacks
 
     # -- loading --------------------------------------------------------------------------------
@@ -268,10 +302,14 @@ class KVRepository:
             if k == KIND_CHUNK and resolved.loaded:
                 entries = {i: resolved.loaded[i] for i in todo if i in resolved.loaded}
                 todo = [i for i in todo if i not in entries]
-            keys = [self.key(k, resolved.token_ids[i]) for i in todo]
-            entries.update(zip(todo, self.guarded.get_many(keys)))
+            if k == KIND_SIMILARITY:  # only chunks whose neighbour set this engine precomputed
+                todo = [i for i in todo if self.similarity_key(resolved.chunks[i], resolved.token_ids[i]) is not None]
+                keys = [self.similarity_key(resolved.chunks[i], resolved.token_ids[i]) for i in todo]
+            else:
+                keys = [self.key(k, resolved.token_ids[i]) for i in todo]
+            entries.update(zip(todo, self.guarded.get_many(keys)))  # type: ignore[arg-type]
             for i, e in entries.items():
-                if self.valid(e, k, len(resolved.token_ids[i])):
+                if self.valid(e, k, len(resolved.token_ids[i]), resolved.token_ids[i]):
                     stats.cache_hits += 1
                     stats.bytes_loaded += e.nbytes
                     stacks[i] = self._to_device(e)
