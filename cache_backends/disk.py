@@ -9,7 +9,7 @@ releases the GIL, so one file's read overlaps another's checksum.
 
 Safe with several processes: every write goes to a temp file in the target folder and is renamed
 over the final name, so readers see the old file or the whole new one; two writers of one key
-both leave a complete entry. A read touches the file's mtime, which is what LRU eviction orders by.
+both leave a complete entry. A read touches the file's mtime (at most once a minute), which LRU eviction orders by.
 
 Size cap: `DEFAULT_MAX_BYTES` (20 GiB) unless given (`max_bytes=None`, or `?max_bytes=none` in the
 URL, means no cap). Temp files count toward it; temp files older than `STALE_TEMP_S` (1 hour) are
@@ -30,8 +30,8 @@ from typing import Sequence
 
 import torch
 
-from .base import ByteStore, CorruptEntryError, Fetched, StoreError, decode_fetched, user_id_digest
-from .format import MAX_ENTRY_BYTES
+from .base import ByteStore, CorruptEntryError, Fetched, StoreError, user_id_digest
+from .format import MAX_ENTRY_BYTES, MAX_HEADER_BYTES, checksum_start, decode_verified, header_length, parse_header
 from .host import BufferPool
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ _TEMP = ".tmp-"
 DEFAULT_MAX_BYTES = 20 << 30
 STALE_TEMP_S = 3600.0
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+TOUCH_S = 60.0  # a read refreshes the LRU time (mtime) at most once a minute: no inode write per read
+CHUNK = 512 << 10  # read and hash in cache-sized steps: the hash reads the chunk while it is still in cache
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -54,16 +56,44 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def read_into(fd: int, buf: torch.Tensor) -> int:
-    """Fill the uint8 CPU tensor `buf` from `fd` (one kernel copy, no Python bytes); returns bytes read."""
-    view = memoryview(buf.numpy())
-    got = 0
-    while got < len(view):
-        n = os.readv(fd, [view[got:]])
+def read_into(fd: int, view: memoryview, start: int = 0, stop: int | None = None) -> int:
+    """Fill view[start:stop] (the memory of a uint8 CPU tensor) from `fd`: one kernel copy, no
+    Python bytes. Returns the position reached (short at end of file)."""
+    stop = len(view) if stop is None else min(stop, len(view))
+    got = start
+    while got < stop:
+        n = os.readv(fd, [view[got:stop]])
         if n == 0:
             break
         got += n
     return got
+
+
+def read_entry(fd: int, buf: torch.Tensor) -> Fetched:
+    """Read a whole entry file into `buf`, hashing each chunk right after it lands, and decode it."""
+    size = buf.numel()
+    view = memoryview(buf.numpy())
+    got = read_into(fd, view, 0, CHUNK)
+    n = header_length(buf[:got])
+    if n is not None and n <= MAX_HEADER_BYTES and got < 8 + n <= size:
+        got = read_into(fd, view, got, 8 + n)  # a header longer than a chunk
+    try:
+        header, start = parse_header(buf[:got])
+    except CorruptEntryError as exc:  # includes older formats: no need to read further
+        return exc, got
+    h = checksum_start(header)
+    hashed = start
+    while got < size:
+        reached = read_into(fd, view, got, got + CHUNK)
+        if reached == got:
+            return CorruptEntryError(f"entry file shrank while read ({got} of {size} bytes)"), got
+        h.update(view[hashed:reached])
+        got = hashed = reached
+    h.update(view[hashed:got])
+    try:
+        return decode_verified(buf, header, start, h.hexdigest()), size
+    except CorruptEntryError as exc:
+        return exc, size
 
 
 class DiskStore(ByteStore):
@@ -106,22 +136,21 @@ class DiskStore(ByteStore):
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size > MAX_ENTRY_BYTES or (self.max_bytes is not None and size > self.max_bytes):
                 return CorruptEntryError(f"entry file of {size} bytes is larger than any valid entry"), 0
-            buf = self.buffers.take(size)
-            got = read_into(fd, buf)
-            if got != size:
-                return CorruptEntryError(f"entry file shrank while read ({got} of {size} bytes)"), got
-            try:
-                os.utime(fd)  # last use, for LRU
-            except OSError:
-                pass
+            fetched = read_entry(fd, self.buffers.take(size))
+            if time.time() - st.st_mtime > TOUCH_S:
+                try:
+                    os.utime(fd)  # last use, for LRU
+                except OSError:
+                    pass
+            return fetched
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc
         finally:
             os.close(fd)
-        return decode_fetched(buf)
 
     def _fetch_many(self, keys: Sequence[str]) -> list[Fetched]:
         if len(keys) <= 1 or self.threads == 1:
@@ -139,7 +168,7 @@ class DiskStore(ByteStore):
             try:
                 with open(self._path(key), "rb", buffering=0) as f:
                     buf = self.buffers.take(os.fstat(f.fileno()).st_size)
-                    read_into(f.fileno(), buf)
+                    read_into(f.fileno(), memoryview(buf.numpy()))
                 out.append(buf)
             except (FileNotFoundError, NotADirectoryError):
                 out.append(None)

@@ -194,6 +194,16 @@ def _views(buf: torch.Tensor, header: dict[str, Any], start: int) -> dict[str, t
     return {name: buf[start + b : start + e].view(dtype).view(shape) for b, e, name, dtype, shape in spans}
 
 
+def checksum_start(header: dict[str, Any]) -> xxhash.xxh3_64:
+    """The entry checksum's hasher, fed the header; feed it the data region next."""
+    return xxhash.xxh3_64(_canonical(header))
+
+
+def header_length(buf: torch.Tensor) -> int | None:
+    """The header length a buffer's first 8 bytes claim (None if fewer than 8 bytes)."""
+    return int.from_bytes(buf[:8].numpy().tobytes(), "little") if buf.numel() >= 8 else None
+
+
 def decode_entry(data: bytes | bytearray | memoryview | torch.Tensor) -> KVEntry:
     """A verified entry whose tensors view `data` (a uint8 tensor) or one copy of it (bytes)."""
     try:
@@ -203,11 +213,17 @@ def decode_entry(data: bytes | bytearray | memoryview | torch.Tensor) -> KVEntry
     if buf.numel() > MAX_ENTRY_BYTES:
         raise _corrupt("entry larger than any valid entry")
     header, start = parse_header(buf)
+    h = checksum_start(header)
+    h.update(buf.numpy()[start:])
+    return decode_verified(buf, header, start, h.hexdigest())
+
+
+def decode_verified(buf: torch.Tensor, header: dict[str, Any], start: int, digest: str) -> KVEntry:
+    """Build the entry from `buf` whose checksum over header and data, `digest`, the caller computed
+    (a reader hashes each chunk as it lands, while it is still in cache)."""
     meta = header["__metadata__"]
     tensors = _views(buf, header, start)
-    h = xxhash.xxh3_64(_canonical(header))
-    h.update(buf.numpy()[start:])
-    if h.hexdigest() != meta.get("checksum"):
+    if digest != meta.get("checksum"):
         raise _corrupt("entry checksum mismatch")
     try:
         shape, vshape = json.loads(meta["shape"]), json.loads(meta["vshape"])

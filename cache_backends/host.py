@@ -65,7 +65,7 @@ class BufferPool:
         with self._lock:
             idle, keep, found = 0, [], None
             for buf in self._bufs:  # identity only: `==` on tensors compares elements
-                if found is None and _use_count(buf) == 0 and nbytes <= buf.numel() <= nbytes + nbytes // 4 + _PAGE:
+                if found is None and nbytes <= buf.numel() <= nbytes + nbytes // 4 + _PAGE and _use_count(buf) == 0:
                     found = buf
                     continue
                 if _use_count(buf) == 0:
