@@ -41,6 +41,7 @@ __all__ = [
     "content_key",
     "default_store_url",
     "open_store",
+    "tier_urls",
 ]
 
 _OPTIONS = {
@@ -96,11 +97,11 @@ def default_store_url(root: str | Path, device: str | torch.device | None = None
     return f"tiered://?tiers=memory://?max_bytes={DEFAULT_MEMORY_BYTES}|disk://{root}"
 
 
-def _open_tiered(url: str, query: str) -> TieredStore:
+def _split_tiered(url: str) -> tuple[dict, list[str]]:
+    query = url.split("?", 1)[1] if "?" in url else ""
     head, sep, tail = ("&" + query).partition("&tiers=")
     q = parse_qs(head.lstrip("&"))
     _check_options("tiered", url, q)
-    workers = _int(q, "workers", url) or 4
     if sep:
         if "lower" in q:
             raise StoreURLError(f"give tiers= or lower=, not both: {url!r}")
@@ -112,7 +113,20 @@ def _open_tiered(url: str, query: str) -> TieredStore:
         parts = [f"memory://?max_bytes={_int(q, 'max_bytes', url) or DEFAULT_MEMORY_BYTES}", lower]
     if len(parts) < 2 or any(not p.split("://")[0] or p.lower().startswith("tiered") for p in parts):
         raise StoreURLError(f"a tiered store needs two or more non-tiered tiers, got {parts} from {url!r}")
-    return TieredStore([open_store(p) for p in parts], workers=workers, url=url)
+    return q, parts
+
+
+def tier_urls(url: str) -> list[str]:
+    """The store URLs a tiered URL is made of (a non-tiered URL: itself), e.g. for checking every
+    disk path a user-typed URL would open."""
+    if urlparse(url).scheme.lower() != "tiered":
+        return [url]
+    return _split_tiered(url)[1]
+
+
+def _open_tiered(url: str) -> TieredStore:
+    q, parts = _split_tiered(url)
+    return TieredStore([open_store(p) for p in parts], workers=_int(q, "workers", url) or 4, url=url)
 
 
 def open_store(url: str | None = None, default_root: str | Path | None = None, device: str | torch.device | None = None) -> KVStore:
@@ -134,7 +148,7 @@ def open_store(url: str | None = None, default_root: str | Path | None = None, d
 
         return RedisStore(url, quantize=_quantize(parse_qs(parsed.query)))
     if scheme == "tiered":
-        return _open_tiered(url, url.split("?", 1)[1] if "?" in url else "")
+        return _open_tiered(url)
     q = parse_qs(parsed.query, keep_blank_values=True)
     if scheme in _OPTIONS:
         _check_options(scheme, url, q)

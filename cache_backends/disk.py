@@ -79,9 +79,9 @@ def read_entry(fd: int, buf: torch.Tensor) -> Fetched:
         got = read_into(fd, view, got, 8 + n)  # a header longer than a chunk
     try:
         header, start = parse_header(buf[:got])
+        h = checksum_start(buf, header, start)
     except CorruptEntryError as exc:  # includes older formats: no need to read further
         return exc, got
-    h = checksum_start(header)
     hashed = start
     while got < size:
         reached = read_into(fd, view, got, got + CHUNK)

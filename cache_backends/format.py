@@ -5,9 +5,9 @@ Layout (format 3), which any safetensors reader also accepts:
     u64 little-endian header length N | N bytes of JSON header, space-padded so 8+N is a multiple of 64 | data
 
 The header's `__metadata__` carries `magic`, `format`, the shapes, the original dtype, the
-quantisation and `checksum`: xxh3_64 over the canonical header (sorted JSON without the checksum)
-followed by the whole data region, so a flipped byte anywhere -- tensor table, user metadata or
-data -- is detected. Tensors are `k`/`v` (or their int8 form `k_q`,`k_scale`,`v_q`,`v_scale`) and
+quantisation and `checksum`: xxh3_64 over the header text as written (less its padding, with the
+checksum's 16 hex digits read as zeros) followed by the whole data region, so a flipped byte
+anywhere -- tensor table, user metadata or data -- is detected. Tensors are `k`/`v` (or their int8 form `k_q`,`k_scale`,`v_q`,`v_scale`) and
 optionally `ids`, the chunk's token ids, laid out by element size, largest first, so each tensor's
 offset is a multiple of its element size and the decoder can take aligned views.
 
@@ -53,9 +53,11 @@ class StaleEntryError(CorruptEntryError):
     """A well-formed entry of another format version: a miss, not damage."""
 
 
-def _canonical(header: dict[str, Any]) -> bytes:
-    meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != "checksum"}
-    return json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":")).encode()
+_BLANK = "0" * 16  # the checksum field while the checksum is computed
+
+
+def _field(value: str) -> bytes:
+    return f'"checksum":"{value}"'.encode()
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -101,19 +103,21 @@ def encode_entry(entry: KVEntry, quantize: bool = False) -> bytes:
         quant="int8" if quantize else "none",
     )
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": meta}
+    header: dict[str, Any] = {"__metadata__": {**meta, "checksum": _BLANK}}
     offset = 0
     for name in order:
         t = tensors[name]
         n = t.numel() * t.element_size()
         header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
-    h = xxhash.xxh3_64(_canonical(header))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if text.count(_field(_BLANK)) != 1:  # pragma: no cover - user metadata is escaped inside strings
+        raise ValueError("entry header would be ambiguous")
+    h = xxhash.xxh3_64(text)
     parts = [_bytes_of(tensors[name]) for name in order]
     for p in parts:
         h.update(p)
-    meta["checksum"] = h.hexdigest()
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = text.replace(_field(_BLANK), _field(h.hexdigest()))
     text += b" " * (-(8 + len(text)) % ALIGN)
     return b"".join([len(text).to_bytes(8, "little"), text, *(p.tobytes() for p in parts)])
 
@@ -162,7 +166,7 @@ def parse_header(buf: torch.Tensor) -> tuple[dict[str, Any], int]:
 def _views(buf: torch.Tensor, header: dict[str, Any], start: int) -> dict[str, torch.Tensor]:
     """Check the tensor table (names, dtypes, bounds, alignment, no gaps) and view each tensor in `buf`."""
     data_len = buf.numel() - start
-    if start % 8:
+    if (buf.storage_offset() + start) % 8:
         raise _corrupt("data region is not aligned")
     table = {k: v for k, v in header.items() if k != "__metadata__"}
     if set(table) - _NAMES:
@@ -191,12 +195,18 @@ def _views(buf: torch.Tensor, header: dict[str, Any], start: int) -> dict[str, t
         pos = end
     if pos != data_len:
         raise _corrupt("entry length does not match its tensors")
-    return {name: buf[start + b : start + e].view(dtype).view(shape) for b, e, name, dtype, shape in spans}
+    storage = buf.untyped_storage()
+    base = buf.storage_offset() + start
+    return {name: torch.empty(0, dtype=dtype).set_(storage, (base + b) // dtype.itemsize, shape) for b, e, name, dtype, shape in spans}
 
 
-def checksum_start(header: dict[str, Any]) -> xxhash.xxh3_64:
-    """The entry checksum's hasher, fed the header; feed it the data region next."""
-    return xxhash.xxh3_64(_canonical(header))
+def checksum_start(buf: torch.Tensor, header: dict[str, Any], start: int) -> xxhash.xxh3_64:
+    """The entry checksum's hasher, fed the header text; feed it the data region next."""
+    text = buf[8:start].numpy().tobytes().rstrip(b" ")
+    field = _field(str(header["__metadata__"].get("checksum", ""))[:16])
+    if text.count(field) != 1:
+        raise _corrupt("entry checksum field missing or ambiguous")
+    return xxhash.xxh3_64(text.replace(field, _field(_BLANK)))
 
 
 def header_length(buf: torch.Tensor) -> int | None:
@@ -213,7 +223,7 @@ def decode_entry(data: bytes | bytearray | memoryview | torch.Tensor) -> KVEntry
     if buf.numel() > MAX_ENTRY_BYTES:
         raise _corrupt("entry larger than any valid entry")
     header, start = parse_header(buf)
-    h = checksum_start(header)
+    h = checksum_start(buf, header, start)
     h.update(buf.numpy()[start:])
     return decode_verified(buf, header, start, h.hexdigest())
 

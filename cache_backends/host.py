@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
-
 import torch
 
 from .memory import MemoryStore
@@ -36,23 +34,25 @@ def physical_memory() -> int:
         return 0
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _use_count(t: torch.Tensor) -> int | None:
     """How many tensors share `t`'s storage, beside `t` (None where torch does not expose it)."""
-    fn = getattr(torch._C, "_storage_Use_Count", None)
-    if fn is None:  # pragma: no cover - older or newer torch: no reuse, always fresh buffers
+    if _STORAGE_USE_COUNT is None:  # pragma: no cover - another torch: no reuse, always fresh buffers
         return None
-    storage = t.untyped_storage()
-    return int(fn(storage._cdata)) - 2  # minus `t` itself and the temporary `storage` object
+    return int(_STORAGE_USE_COUNT(t.untyped_storage()._cdata)) - 2  # minus `t` and the temporary storage
 
 
 class BufferPool:
     """Read buffers; a pageable one is reused only once nothing views it (see the module docstring)."""
 
-    def __init__(self, pin: bool = False, max_idle_bytes: int = 256 << 20, max_tracked: int = 64) -> None:
+    def __init__(self, pin: bool = False, max_idle_bytes: int = 256 << 20, max_tracked: int = 32) -> None:
         self.pin = bool(pin) and torch.cuda.is_available()
         self.max_idle_bytes = max_idle_bytes
         self.max_tracked = max_tracked
-        self._bufs: deque[torch.Tensor] = deque()
+        self._bufs: list[torch.Tensor] = []  # most recently handed out last
+        self._sizes: list[int] = []
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
@@ -62,26 +62,36 @@ class BufferPool:
         if self.pin:
             self.allocated += 1
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        limit = nbytes + nbytes // 4 + _PAGE
         with self._lock:
-            idle, keep, found = 0, [], None
-            for buf in self._bufs:  # identity only: `==` on tensors compares elements
-                if found is None and nbytes <= buf.numel() <= nbytes + nbytes // 4 + _PAGE and _use_count(buf) == 0:
-                    found = buf
-                    continue
-                if _use_count(buf) == 0:
-                    idle += buf.numel()
-                    if idle > self.max_idle_bytes:
-                        continue  # too much idle memory: let this one go
-                keep.append(buf)
-            if found is None:
-                found = torch.empty(-(-nbytes // _PAGE) * _PAGE, dtype=torch.uint8)
-                self.allocated += 1
+            for i, size in enumerate(self._sizes):  # sizes first: a use count costs more
+                if nbytes <= size <= limit and _use_count(self._bufs[i]) == 0:
+                    buf = self._bufs.pop(i)
+                    self._sizes.pop(i)
+                    self.reused += 1
+                    break
             else:
-                self.reused += 1
-            if _use_count(found) is not None:
-                keep.append(found)
-            self._bufs = deque(keep[-self.max_tracked :])  # older ones forgotten, not freed: owners keep them
-            return found[:nbytes]
+                buf = torch.empty(-(-nbytes // _PAGE) * _PAGE, dtype=torch.uint8)
+                self.allocated += 1
+                if _use_count(buf) is None:
+                    return buf[:nbytes]
+                self._trim()
+            self._bufs.append(buf)
+            self._sizes.append(buf.numel())
+            return buf[:nbytes]
+
+    def _trim(self) -> None:
+        """Forget idle buffers beyond `max_idle_bytes` (freed) and the oldest beyond `max_tracked`
+        (busy ones are not freed by this: their owners keep them)."""
+        idle, keep = 0, []
+        for buf in reversed(self._bufs):  # newest first: keep the recently used
+            if _use_count(buf) == 0:
+                idle += buf.numel()
+                if idle > self.max_idle_bytes:
+                    continue
+            keep.append(buf)
+        keep = keep[: self.max_tracked - 1][::-1]
+        self._bufs, self._sizes = keep, [b.numel() for b in keep]
 
 
 class HostStore(MemoryStore):

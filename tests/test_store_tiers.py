@@ -22,6 +22,7 @@ from kvrag.cache_backends import (
     content_key,
     default_store_url,
     open_store,
+    tier_urls,
 )
 from kvrag.cache_backends.disk import DEFAULT_MAX_BYTES
 from kvrag.cache_backends.format import FORMAT_VERSION, StaleEntryError, decode_entry, encode_entry
@@ -288,6 +289,8 @@ def test_tiered_url_builds_the_stack(tmp_path):
     assert [type(t) for t in old.tiers] == [MemoryStore, DiskStore] and old.upper.max_bytes == 1000
     with pytest.raises(StoreURLError):
         open_store("tiered://?tiers=memory")
+    assert tier_urls(f"tiered://?tiers=memory|disk://{tmp_path}?pin=1&max_bytes=5") == ["memory://", f"disk://{tmp_path}?pin=1&max_bytes=5"]
+    assert tier_urls("tiered://?lower=disk:///x")[1] == "disk:///x" and tier_urls("disk:///y") == ["disk:///y"]
 
 
 def test_tiered_get_reports_the_tier_and_promotes(tmp_path):
