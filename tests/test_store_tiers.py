@@ -148,6 +148,15 @@ def test_disk_get_many_is_parallel_ordered_and_sets_the_tier(tmp_path):
     assert store.stats().errors == 1 and store.stats().misses == 2 and not bad.exists()
 
 
+def test_disk_reads_an_entry_whose_header_is_longer_than_a_read_chunk(tmp_path):
+    store = DiskStore(tmp_path)
+    k = content_key("long")
+    big = KVEntry(entry().keys, entry().values, meta={"note": "x" * (700 << 10)})
+    store.put(k, big)
+    got = store.get(k)
+    assert same(got, big) and got.meta["note"] == big.meta["note"]
+
+
 def test_disk_read_buffers_are_never_reused_while_viewed(tmp_path):
     store = DiskStore(tmp_path)
     a, b = content_key("a"), content_key("b")

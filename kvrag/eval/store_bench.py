@@ -4,7 +4,8 @@ the load share of TTFT.
 Tier figures (`tier_bandwidth`) use random entries of SmolLM2-135M's shape (30 layers x 3 KV heads
 x 150 tokens x 64 dims, fp32 keys and values: 6.9 MB an entry, 10 entries), so they need no model:
 memory, host and disk (warm page cache, the steady state of a serving store) `get_many`, next to a
-plain read of the same files into a reused buffer (the machine's read speed, single thread), and on
+plain read of the same files into a reused buffer (the machine's read speed, single thread), that
+read plus an xxh3 of each file (the floor of any verified read), and on
 CUDA the host-to-device copy of the same bytes from pinned and from pageable memory. The rounds of
 each are interleaved, so a busy machine slows them alike; medians are reported.
 
@@ -74,6 +75,21 @@ def plain_read(paths: list[Path]) -> Callable[[], None]:
     return run
 
 
+def plain_read_hashed(paths: list[Path]) -> Callable[[], None]:
+    """The machine's read plus the xxh3 checksum of each file: the floor of any verified read."""
+    import xxhash
+
+    buf = bytearray(max(p.stat().st_size for p in paths))
+    view = memoryview(buf)
+
+    def run() -> None:
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                xxhash.xxh3_64(view[: f.readinto(view)]).intdigest()
+
+    return run
+
+
 def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = None, rounds: int = 20) -> dict[str, Any]:
     """GB/s of each tier's get_many of `entries` and of the machine's plain read of the disk files."""
     entries = entries or random_entries()
@@ -94,6 +110,7 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
         f"disk get_many ({disk.threads} threads)": lambda: disk.get_many(keys),
         "disk get_many (1 thread)": lambda: disk1.get_many(keys),
         "plain file read": plain_read(paths),
+        "plain file read + xxh3": plain_read_hashed(paths),
     }
     if cuda:
         pinned = [t.pin_memory() for e in entries.values() for t in (e.keys, e.values)]
