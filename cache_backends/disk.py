@@ -4,8 +4,9 @@ Reads: each entry file is read once, with one `readv` straight into its own host
 when `pin=True` and CUDA is available, so the host-to-device copy that follows is a fast DMA), and
 the returned tensors are views of that buffer (see host.BufferPool for the lifetime rule: the
 tensors own the buffer). The xxh3 checksum is verified before anything is returned. A request's
-entries are read and verified by a small thread pool: the kernel's copy out of the page cache
-releases the GIL, so one file's read overlaps another's checksum.
+entries are read and verified by a small thread pool (`threads`, default: the CPU count less one,
+at most 4; on a 2-core machine one thread, which measured faster there while a model runs): the
+kernel's copy out of the page cache releases the GIL, so one file's read overlaps another's checksum.
 
 Safe with several processes: every write goes to a temp file in the target folder and is renamed
 over the final name, so readers see the old file or the whole new one; two writers of one key
@@ -118,7 +119,7 @@ class DiskStore(ByteStore):
         except OSError as exc:
             raise StoreError(f"cannot create store folder {self.root}: {exc}") from exc
         self.buffers = BufferPool(pin=pin)
-        self.threads = max(1, threads or min(4, os.cpu_count() or 1))
+        self.threads = max(1, threads or min(4, (os.cpu_count() or 1) - 1))  # leave a core to the model
         self._pool: ThreadPoolExecutor | None = None
         self.temp_cleaned = self.clean_temp()
         self._size: int | None = None  # running estimate, rescanned when over the cap

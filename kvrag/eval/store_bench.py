@@ -97,7 +97,8 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
     payload = sum(e.nbytes for e in entries.values())
     cuda = torch.cuda.is_available()
     disk = DiskStore(Path(out_dir) / "tier-disk", max_bytes=None, pin=cuda)
-    disk1 = DiskStore(Path(out_dir) / "tier-disk", max_bytes=None, pin=cuda, threads=1)
+    alt = 2 if disk.threads == 1 else 1  # the default thread count beside another
+    disk1 = DiskStore(Path(out_dir) / "tier-disk", max_bytes=None, pin=cuda, threads=alt)
     host, memory = HostStore(pin=cuda), MemoryStore()
     for key, entry in entries.items():
         for store in (disk, host, memory):
@@ -107,8 +108,8 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
     fns: dict[str, Callable[[], Any]] = {
         "memory get_many": lambda: memory.get_many(keys),
         "host get_many": lambda: host.get_many(keys),
-        f"disk get_many ({disk.threads} threads)": lambda: disk.get_many(keys),
-        "disk get_many (1 thread)": lambda: disk1.get_many(keys),
+        f"disk get_many (default: {disk.threads} thread{'s' * (disk.threads > 1)})": lambda: disk.get_many(keys),
+        f"disk get_many ({alt} thread{'s' * (alt > 1)})": lambda: disk1.get_many(keys),
         "plain file read": plain_read(paths),
         "plain file read + xxh3": plain_read_hashed(paths),
     }
