@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -161,19 +160,6 @@ class DiskStore(ByteStore):
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvrag-disk")
             pool = self._pool
         return list(pool.map(self._read_one, keys))
-
-    def _read_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """Raw entry buffers (undecoded), for tools that copy entries between stores."""
-        out: list[torch.Tensor | None] = []
-        for key in keys:
-            try:
-                with open(self._path(key), "rb", buffering=0) as f:
-                    buf = self.buffers.take(os.fstat(f.fileno()).st_size)
-                    read_into(f.fileno(), memoryview(buf.numpy()))
-                out.append(buf)
-            except (FileNotFoundError, NotADirectoryError):
-                out.append(None)
-        return out
 
     # -- writes and the size cap ------------------------------------------------------------------
     def _write(self, key: str, data: bytes) -> None:
