@@ -1,9 +1,16 @@
 """KV stores chosen by URL.
 
-- `memory://?max_bytes=N` — in-process LRU
-- `disk:///path?max_bytes=N&quantize=int8` — the embedded default
+- `memory://?max_bytes=N&device=cuda` — in-process LRU (with `device`, kept on that device: the GPU tier)
+- `host://?max_bytes=N&pin=1` — CPU-RAM LRU, pinned for fast uploads; default cap 25% of RAM
+- `disk:///path?max_bytes=N&quantize=int8&pin=1&threads=T` — the embedded default; cap 20 GiB
+  unless given (`max_bytes=none`: no cap)
 - `redis://[:password@]host:port/db?ttl=S` (also `rediss://`) — shared by many workers
-- `tiered://?lower=<disk or redis URL>&max_bytes=N` — memory over disk/Redis with prefetch
+- `tiered://?workers=W&tiers=<url>|<url>|...` — tiers fastest first, `tiers=` last (see tiered.py);
+  the older `tiered://?lower=<url>&max_bytes=N` is memory over `<url>`
+
+Sizes take plain numbers (`2e9` too). An option a store does not know is a StoreURLError (a
+ValueError) naming it and the allowed ones. `default_store_url(root, device)` is the stack to use
+when none is configured: GPU memory -> pinned host -> disk on CUDA, memory -> disk on the CPU.
 """
 
 from __future__ import annotations
@@ -11,8 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from .base import ByteStore, CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, content_key
-from .disk import DiskStore
+import torch
+
+from .base import ByteStore, CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
+from .disk import DEFAULT_MAX_BYTES, DiskStore
+from .host import HostStore
 from .memory import MemoryStore
 from .tiered import TieredStore
 
@@ -20,54 +30,150 @@ __all__ = [
     "ByteStore",
     "CorruptEntryError",
     "DiskStore",
+    "HostStore",
     "KVEntry",
     "KVStore",
     "MemoryStore",
     "StoreError",
     "StoreStats",
+    "StoreURLError",
     "TieredStore",
     "content_key",
+    "default_store_url",
     "open_store",
+    "tier_urls",
 ]
 
+_OPTIONS = {
+    "memory": {"max_bytes", "device"},
+    "host": {"max_bytes", "pin"},
+    "disk": {"max_bytes", "quantize", "pin", "threads"},
+    "tiered": {"tiers", "lower", "max_bytes", "workers"},
+}
+DEFAULT_MEMORY_BYTES = 2 << 30
 
-def _int(q: dict, name: str) -> int | None:
-    return int(float(q[name][0])) if name in q else None
+
+def _check_options(scheme: str, url: str, q: dict) -> None:
+    allowed = _OPTIONS[scheme]
+    for name in q:
+        if name not in allowed:
+            raise StoreURLError(
+                f"unknown option {name!r} in {scheme}:// store URL {url!r}; allowed: {', '.join(sorted(allowed))}"
+            )
+
+
+def _int(q: dict, name: str, url: str) -> int | None:
+    if name not in q:
+        return None
+    try:
+        return int(float(q[name][0]))
+    except ValueError:
+        raise StoreURLError(f"{name} must be a number in {url!r}, got {q[name][0]!r}") from None
+
+
+def _flag(q: dict, name: str, url: str) -> bool:
+    value = q.get(name, ["0"])[0].lower()
+    if value not in ("0", "1", "false", "true", "no", "yes"):
+        raise StoreURLError(f"{name} must be 0 or 1 in {url!r}, got {value!r}")
+    return value in ("1", "true", "yes")
 
 
 def _quantize(q: dict) -> bool:
     value = q.get("quantize", ["none"])[0].lower()
     if value not in ("none", "int8", "0", "1", "false", "true"):
-        raise StoreError(f"quantize must be none or int8, got {value!r}")
+        raise StoreURLError(f"quantize must be none or int8, got {value!r}")
     return value in ("int8", "1", "true")
 
 
-def open_store(url: str | None = None, default_root: str | Path | None = None) -> KVStore:
-    """Open a store from its URL (see the module docstring); None means a disk store at `default_root`."""
+def default_store_url(root: str | Path, device: str | torch.device | None = None) -> str:
+    """The store stack for `device` when none is configured: GPU memory (10% of the GPU, at most
+    2 GiB) -> pinned host RAM (25% of RAM) -> disk on CUDA; memory (2 GiB) -> disk on the CPU."""
+    root = Path(root).expanduser().absolute()
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory if torch.cuda.is_available() else 0
+        gpu = min(DEFAULT_MEMORY_BYTES, int(0.1 * total)) or DEFAULT_MEMORY_BYTES
+        return f"tiered://?tiers=memory://?device={dev}&max_bytes={gpu}|host://?pin=1|disk://{root}?pin=1"
+    return f"tiered://?tiers=memory://?max_bytes={DEFAULT_MEMORY_BYTES}|disk://{root}"
+
+
+def _split_tiered(url: str) -> tuple[dict, list[str]]:
+    query = url.split("?", 1)[1] if "?" in url else ""
+    head, sep, tail = ("&" + query).partition("&tiers=")
+    q = parse_qs(head.lstrip("&"))
+    _check_options("tiered", url, q)
+    if sep:
+        if "lower" in q:
+            raise StoreURLError(f"give tiers= or lower=, not both: {url!r}")
+        parts = [p if "://" in p else f"{p}://" for p in tail.split("|")]
+    else:
+        lower = q.get("lower", [None])[0]
+        if not lower:
+            raise StoreURLError(f"tiered store URL needs tiers: tiered://?tiers=memory|disk:///path (got {url!r})")
+        parts = [f"memory://?max_bytes={_int(q, 'max_bytes', url) or DEFAULT_MEMORY_BYTES}", lower]
+    if len(parts) < 2 or any(not p.split("://")[0] or p.lower().startswith("tiered") for p in parts):
+        raise StoreURLError(f"a tiered store needs two or more non-tiered tiers, got {parts} from {url!r}")
+    return q, parts
+
+
+def tier_urls(url: str) -> list[str]:
+    """The store URLs a tiered URL is made of (a non-tiered URL: itself), e.g. for checking every
+    disk path a user-typed URL would open."""
+    if urlparse(url).scheme.lower() != "tiered":
+        return [url]
+    return _split_tiered(url)[1]
+
+
+def _open_tiered(url: str) -> TieredStore:
+    q, parts = _split_tiered(url)
+    return TieredStore([open_store(p) for p in parts], workers=_int(q, "workers", url) or 4, url=url)
+
+
+def open_store(url: str | None = None, default_root: str | Path | None = None, device: str | torch.device | None = None) -> KVStore:
+    """Open a store from its URL (see the module docstring).
+
+    With no URL: `default_store_url(default_root, device)` when a device is given, else a plain
+    disk store at `default_root`.
+    """
     if url is None:
         if default_root is None:
             raise StoreError("no store URL and no default folder given")
+        if device is not None:
+            return open_store(default_store_url(default_root, device))
         return DiskStore(default_root)
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
-    q = parse_qs(parsed.query)
+    if scheme in ("redis", "rediss"):  # its options are the Redis store's own business
+        from .redis_store import RedisStore
+
+        return RedisStore(url, quantize=_quantize(parse_qs(parsed.query)))
+    if scheme == "tiered":
+        return _open_tiered(url)
+    q = parse_qs(parsed.query, keep_blank_values=True)
+    if scheme in _OPTIONS:
+        _check_options(scheme, url, q)
     if scheme == "memory":
-        return MemoryStore(max_bytes=_int(q, "max_bytes"), url=url)
+        device = q.get("device", [None])[0]
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise StoreURLError(f"memory store on {device} but CUDA is not available: {url!r}")
+        return MemoryStore(max_bytes=_int(q, "max_bytes", url), url=url, device=device)
+    if scheme == "host":
+        return HostStore(max_bytes=_int(q, "max_bytes", url), pin=_flag(q, "pin", url), url=url)
     if scheme == "disk":
         path = (parsed.netloc + parsed.path) if parsed.netloc else parsed.path
         if not path:
             raise StoreError(f"disk store URL needs a path: {url!r} (e.g. disk:///var/cache/kvrag)")
-        return DiskStore(path, url=url, max_bytes=_int(q, "max_bytes"), quantize=_quantize(q))
-    if scheme in ("redis", "rediss"):
-        from .redis_store import RedisStore
-
-        return RedisStore(url, quantize=_quantize(q))
-    if scheme == "tiered":
-        lower = q.get("lower", [None])[0]
-        if not lower or lower.startswith("tiered"):
-            raise StoreError(f"tiered store URL needs a lower tier: tiered://?lower=disk:///path (got {url!r})")
-        return TieredStore(open_store(lower), max_bytes=_int(q, "max_bytes") or (2 << 30), url=url)
+        cap = q.get("max_bytes", [""])[0].lower()
+        max_bytes = None if cap == "none" else (_int(q, "max_bytes", url) if cap else DEFAULT_MAX_BYTES)
+        return DiskStore(
+            path,
+            url=url,
+            max_bytes=max_bytes,
+            quantize=_quantize(q),
+            pin=_flag(q, "pin", url),
+            threads=_int(q, "threads", url),
+        )
     raise StoreError(
-        f"unknown store URL scheme {scheme!r} in {url!r}; supported: memory://, disk:///path, redis://host:port/db, "
-        "rediss://, tiered://?lower=..."
+        f"unknown store URL scheme {scheme!r} in {url!r}; supported: memory://, host://, disk:///path, "
+        "redis://host:port/db, rediss://, tiered://?tiers=..."
     )

@@ -29,15 +29,23 @@ class CorruptEntryError(StoreError):
     """An entry's bytes failed to decode or its checksum did not match."""
 
 
+class StoreURLError(StoreError, ValueError):
+    """A store URL names an unknown option or a bad value."""
+
+
 @dataclass
 class KVEntry:
     """One cached segment: keys [layers, kv_heads, tokens, head_dim] (RoPE-free), values alike,
-    and optionally the segment's token ids (which make the entry self-contained)."""
+    and optionally the segment's token ids (which make the entry self-contained).
+
+    `tier` names the store tier that served a `get` ("memory", "gpu", "host", "disk", "redis"),
+    so callers can report where their KV came from; None on entries not read from a store."""
 
     keys: torch.Tensor
     values: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
     token_ids: torch.Tensor | None = None
+    tier: str | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -110,13 +118,19 @@ def check_key(key: str) -> str:
     return key
 
 
+Fetched = tuple["KVEntry | CorruptEntryError | None", int]  # a decoded entry, its damage, or a miss; bytes read
+
+
 class ByteStore:
     """Shared logic of stores that keep encoded bytes (disk, Redis): decode, verify, count, evict corrupt.
 
-    Subclasses implement `_read_many`, `_write`, `_remove`, `_exists`, `_link` and `_resolve`.
+    Subclasses implement `_read_many`, `_write`, `_remove`, `_exists`, `_link` and `_resolve`; a
+    backend that can read into its own buffers and decode in parallel (disk) overrides `_fetch_many`.
+    `_read_many` may return bytes or 1-D uint8 CPU tensors; entries decoded from a tensor view it.
     """
 
     url: str = ""
+    tier: str = ""  # the name reported in KVEntry.tier; default: the class name less "Store"
 
     def __init__(self, quantize: bool = False) -> None:
         self.quantize = quantize
@@ -126,6 +140,10 @@ class ByteStore:
     # -- raw operations, per backend ------------------------------------------------------------
     def _read_many(self, keys: Sequence[str]) -> list[bytes | None]:
         raise NotImplementedError
+
+    def _fetch_many(self, keys: Sequence[str]) -> list[Fetched]:
+        """Read and decode each key: (entry, bytes read), (CorruptEntryError, bytes read) or (None, 0)."""
+        return [decode_fetched(data) for data in self._read_many(keys)]
 
     def _write(self, key: str, data: bytes) -> None:
         raise NotImplementedError
@@ -147,28 +165,30 @@ class ByteStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[KVEntry | None]:
-        from .format import decode_entry
+        from .format import StaleEntryError
 
         for k in keys:
             check_key(k)
-        raw = self._read_many(keys)
+        name = self.tier or type(self).__name__.removesuffix("Store").lower()
         out: list[KVEntry | None] = []
-        for key, data in zip(keys, raw):
-            entry = None
-            if data is not None:
-                try:
-                    entry = decode_entry(data)
-                except CorruptEntryError as exc:
-                    log.warning("deleting corrupt cache entry %s…: %s", key[:12], exc)
+        for key, (entry, nbytes) in zip(keys, self._fetch_many(keys)):
+            if isinstance(entry, CorruptEntryError):
+                if isinstance(entry, StaleEntryError):
+                    log.info("dropping cache entry %s… of an older format: %s", key[:12], entry)
+                else:
+                    log.warning("deleting corrupt cache entry %s…: %s", key[:12], entry)
                     with self._lock:
                         self._stats.errors += 1
-                    self._remove(key)
+                self._remove(key)
+                entry = None
             with self._lock:
                 if entry is None:
                     self._stats.misses += 1
                 else:
                     self._stats.hits += 1
-                    self._stats.bytes_read += len(data)  # type: ignore[arg-type]
+                    self._stats.bytes_read += nbytes
+            if entry is not None:
+                entry.tier = name
             out.append(entry)
         return out
 
@@ -200,6 +220,19 @@ class ByteStore:
 
     def resolve(self, user_ids: Sequence[str]) -> list[str | None]:
         return self._resolve([str(u) for u in user_ids])
+
+
+def decode_fetched(data: Any) -> Fetched:
+    """Decode one raw read (bytes, a uint8 tensor, or None for a miss) without raising."""
+    from .format import decode_entry
+
+    if data is None:
+        return None, 0
+    nbytes = data.numel() if isinstance(data, torch.Tensor) else len(data)
+    try:
+        return decode_entry(data), nbytes
+    except CorruptEntryError as exc:
+        return exc, nbytes
 
 
 def user_id_digest(user_id: str) -> str:

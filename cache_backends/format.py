@@ -1,43 +1,67 @@
-"""Entry serialisation: safetensors (no Python object serialisation) with a versioned header and a checksum.
+"""Entry serialisation: a safetensors-compatible file, decoded as zero-copy views, with an xxh3 checksum.
 
-Layout: the safetensors header's metadata carries `magic`, `format`, the shapes, the original
-dtype, the quantisation and a CRC32 over every tensor's bytes; tensors are `k`/`v` (or their
-int8 form `k_q`,`k_scale`,`v_q`,`v_scale`) and optionally `ids`, the chunk's token ids, which
-make an entry self-contained.
+Layout (format 3), which any safetensors reader also accepts:
+
+    u64 little-endian header length N | N bytes of JSON header, space-padded so 8+N is a multiple of 64 | data
+
+The header's `__metadata__` carries `magic`, `format`, the shapes, the original dtype, the
+quantisation and `checksum`: xxh3_64 over the header text as written (less its padding, with the
+checksum's 16 hex digits read as zeros) followed by the whole data region, so a flipped byte
+anywhere -- tensor table, user metadata or data -- is detected. Tensors are `k`/`v` (or their int8 form `k_q`,`k_scale`,`v_q`,`v_scale`) and
+optionally `ids`, the chunk's token ids, laid out by element size, largest first, so each tensor's
+offset is a multiple of its element size and the decoder can take aligned views.
+
+`decode_entry(buf)` takes a uint8 tensor (the buffer a disk read landed in) and returns tensors that
+*view* it: no intermediate bytes object and no second host copy. The tensors keep the buffer alive;
+the buffer is never reused while any of them exists (see host.BufferPool). Given bytes, it makes
+one aligned copy first. Every length read from the header is bounded before anything is allocated.
 
 Optional int8 storage (KIVI-style): keys are quantised per channel (one scale per layer, head and
 head-dim channel, over the tokens), values per token (one scale per layer, head and token, over
 the channels). Symmetric, round-to-nearest: every element is within scale/2 = max|group|/254 of
 its original, where the group is that channel (keys) or that token (values).
 
-Decoding untrusted bytes either returns a well-formed entry or raises CorruptEntryError.
+Decoding untrusted bytes either returns a well-formed entry or raises CorruptEntryError; an entry
+of an older format raises StaleEntryError (a CorruptEntryError), which stores treat as a clean miss.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
+import math
+from typing import Any
 
+import numpy as np
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+import xxhash
 
 from .base import CorruptEntryError, KVEntry
 
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 _MAGIC = "kvrag-entry"
 _RESERVED = {"magic", "format", "shape", "vshape", "dtype", "quant", "checksum"}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "I64": torch.int64}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_NAMES = {"k", "v", "k_q", "k_scale", "v_q", "v_scale", "ids"}
+MAX_HEADER_BYTES = 1 << 20  # a real header is < 1 KiB plus user metadata
+MAX_ENTRY_BYTES = 1 << 34  # 16 GiB: anything claiming more is corrupt
+ALIGN = 64
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    crc = 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        crc = zlib.crc32(name.encode(), crc)
-        if t.numel():
-            crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
+class StaleEntryError(CorruptEntryError):
+    """A well-formed entry of another format version: a miss, not damage."""
+
+
+_BLANK = "0" * 16  # the checksum field while the checksum is computed
+
+
+def _field(value: str) -> bytes:
+    return f'"checksum":"{value}"'.encode()
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +83,8 @@ def encode_entry(entry: KVEntry, quantize: bool = False) -> bytes:
     if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
         raise ValueError(f"entry tensors must be [layers, heads, tokens, dim]; got {tuple(keys.shape)} / {tuple(values.shape)}")
     dtype = str(keys.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported entry dtype {keys.dtype}")
+    if dtype not in _DTYPES or values.dtype != keys.dtype:
+        raise ValueError(f"unsupported entry dtype {keys.dtype}/{values.dtype}")
     if quantize:
         kq, ks = quantize_int8(keys, dim=2)  # per channel: reduce over tokens
         vq, vs = quantize_int8(values, dim=3)  # per token: reduce over channels
@@ -77,33 +101,149 @@ def encode_entry(entry: KVEntry, quantize: bool = False) -> bytes:
         vshape=json.dumps(list(values.shape)),
         dtype=dtype,
         quant="int8" if quantize else "none",
-        checksum=_checksum(tensors),
     )
-    return st_save(tensors, metadata=meta)
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": {**meta, "checksum": _BLANK}}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if text.count(_field(_BLANK)) != 1:  # pragma: no cover - user metadata is escaped inside strings
+        raise ValueError("entry header would be ambiguous")
+    h = xxhash.xxh3_64(text)
+    parts = [_bytes_of(tensors[name]) for name in order]
+    for p in parts:
+        h.update(p)
+    text = text.replace(_field(_BLANK), _field(h.hexdigest()))
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    return b"".join([len(text).to_bytes(8, "little"), text, *(p.tobytes() for p in parts)])
 
 
-def _header(data: bytes) -> dict:
-    n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+def as_buffer(data: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 tensor over `data`: the tensor itself, or one aligned copy of the bytes."""
+    if isinstance(data, torch.Tensor):
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != "cpu":
+            raise TypeError("entry buffers are 1-D uint8 CPU tensors")
+        return data
+    src = np.frombuffer(data, dtype=np.uint8)
+    buf = torch.empty(len(src), dtype=torch.uint8)
+    buf.numpy()[:] = src
+    return buf
 
 
-def decode_entry(data: bytes) -> KVEntry:
+def _corrupt(msg: str) -> CorruptEntryError:
+    return CorruptEntryError(msg)
+
+
+def parse_header(buf: torch.Tensor) -> tuple[dict[str, Any], int]:
+    """The JSON header and where the data starts; lengths bounded before anything is read."""
+    size = buf.numel()
+    if size < 8:
+        raise _corrupt(f"entry of {size} bytes has no header")
+    raw = buf.numpy()
+    n = int.from_bytes(raw[:8].tobytes(), "little")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise _corrupt(f"header length {n} out of bounds (entry is {size} bytes)")
     try:
-        data = bytes(data)
-        tensors = st_load(data)
-        meta = _header(data)
+        header = json.loads(raw[8 : 8 + n].tobytes())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise _corrupt(f"undecodable header ({str(exc)[:80]})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise _corrupt("header is not a kvrag entry header")
+    meta = header["__metadata__"]
+    if meta.get("magic") != _MAGIC:
+        raise _corrupt("not a kvrag entry")
+    if meta.get("format") != FORMAT_VERSION:
+        raise StaleEntryError(f"entry of format {str(meta.get('format'))[:10]!r}, this kvrag reads {FORMAT_VERSION}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise _corrupt("entry metadata must map strings to strings")
+    return header, 8 + n
+
+
+def _views(buf: torch.Tensor, header: dict[str, Any], start: int) -> dict[str, torch.Tensor]:
+    """Check the tensor table (names, dtypes, bounds, alignment, no gaps) and view each tensor in `buf`."""
+    data_len = buf.numel() - start
+    if (buf.storage_offset() + start) % 8:
+        raise _corrupt("data region is not aligned")
+    table = {k: v for k, v in header.items() if k != "__metadata__"}
+    if set(table) - _NAMES:
+        raise _corrupt("unexpected tensors in entry")
+    spans = []
+    for name, info in table.items():
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape, offsets = list(info["shape"]), list(info["data_offsets"])
+            begin, end = offsets
+        except (KeyError, TypeError, ValueError):
+            raise _corrupt(f"bad tensor table entry for {name!r}") from None
+        if not all(type(x) is int for x in shape + offsets):
+            raise _corrupt(f"non-integer shape or offsets for {name!r}")
+        if len(shape) > 8 or any(d < 0 or d > MAX_ENTRY_BYTES for d in shape):
+            raise _corrupt(f"bad shape for {name!r}")
+        size = dtype.itemsize
+        if not (0 <= begin <= end <= data_len) or end - begin != math.prod(shape) * size or begin % size:
+            raise _corrupt(f"tensor {name!r} does not fit the entry")
+        spans.append((begin, end, name, dtype, shape))
+    spans.sort()
+    pos = 0
+    for begin, end, *_ in spans:
+        if begin != pos:
+            raise _corrupt("tensor data overlaps or leaves gaps")
+        pos = end
+    if pos != data_len:
+        raise _corrupt("entry length does not match its tensors")
+    storage = buf.untyped_storage()
+    base = buf.storage_offset() + start
+    return {name: torch.empty(0, dtype=dtype).set_(storage, (base + b) // dtype.itemsize, shape) for b, e, name, dtype, shape in spans}
+
+
+def checksum_start(buf: torch.Tensor, header: dict[str, Any], start: int) -> xxhash.xxh3_64:
+    """The entry checksum's hasher, fed the header text; feed it the data region next."""
+    text = buf[8:start].numpy().tobytes().rstrip(b" ")
+    field = _field(str(header["__metadata__"].get("checksum", ""))[:16])
+    if text.count(field) != 1:
+        raise _corrupt("entry checksum field missing or ambiguous")
+    return xxhash.xxh3_64(text.replace(field, _field(_BLANK)))
+
+
+def header_length(buf: torch.Tensor) -> int | None:
+    """The header length a buffer's first 8 bytes claim (None if fewer than 8 bytes)."""
+    return int.from_bytes(buf[:8].numpy().tobytes(), "little") if buf.numel() >= 8 else None
+
+
+def decode_entry(data: bytes | bytearray | memoryview | torch.Tensor) -> KVEntry:
+    """A verified entry whose tensors view `data` (a uint8 tensor) or one copy of it (bytes)."""
+    try:
+        buf = as_buffer(data)
+    except (TypeError, ValueError) as exc:
+        raise _corrupt(f"unreadable entry buffer: {exc}") from None
+    if buf.numel() > MAX_ENTRY_BYTES:
+        raise _corrupt("entry larger than any valid entry")
+    header, start = parse_header(buf)
+    h = checksum_start(buf, header, start)
+    h.update(buf.numpy()[start:])
+    return decode_verified(buf, header, start, h.hexdigest())
+
+
+def decode_verified(buf: torch.Tensor, header: dict[str, Any], start: int, digest: str) -> KVEntry:
+    """Build the entry from `buf` whose checksum over header and data, `digest`, the caller computed
+    (a reader hashes each chunk as it lands, while it is still in cache)."""
+    meta = header["__metadata__"]
+    tensors = _views(buf, header, start)
+    if digest != meta.get("checksum"):
+        raise _corrupt("entry checksum mismatch")
+    try:
         shape, vshape = json.loads(meta["shape"]), json.loads(meta["vshape"])
         dtype = _DTYPES[meta["dtype"]]
         quant = meta["quant"]
-    except Exception as exc:  # safetensors and json raise several types on garbage
-        raise CorruptEntryError(f"undecodable entry ({type(exc).__name__}: {str(exc)[:100]})") from None
-    if meta.get("magic") != _MAGIC or meta.get("format") != FORMAT_VERSION:
-        raise CorruptEntryError(f"not a kvrag entry of format {FORMAT_VERSION}")
+    except (KeyError, ValueError):
+        raise _corrupt("entry header fields missing or malformed") from None
     expected = {"k", "v"} if quant == "none" else {"k_q", "k_scale", "v_q", "v_scale"} if quant == "int8" else None
     if expected is None or not expected <= set(tensors) or set(tensors) - expected - {"ids"}:
-        raise CorruptEntryError("entry tensors do not match its header")
-    if _checksum(tensors) != meta.get("checksum"):
-        raise CorruptEntryError("entry checksum mismatch")
+        raise _corrupt("entry tensors do not match its header")
     try:
         if quant == "none":
             keys, values = tensors["k"], tensors["v"]
@@ -111,11 +251,13 @@ def decode_entry(data: bytes) -> KVEntry:
             keys = dequantize_int8(tensors["k_q"], tensors["k_scale"], dtype)
             values = dequantize_int8(tensors["v_q"], tensors["v_scale"], dtype)
     except RuntimeError as exc:  # scale shapes that do not broadcast
-        raise CorruptEntryError(f"entry tensors inconsistent: {exc}") from None
+        raise _corrupt(f"entry tensors inconsistent: {exc}") from None
     if list(keys.shape) != shape or list(values.shape) != vshape or keys.dim() != 4 or keys.dtype != dtype:
-        raise CorruptEntryError("entry shape or dtype does not match its header")
+        raise _corrupt("entry shape or dtype does not match its header")
+    if values.dtype != dtype or values.dim() != 4 or values.shape[:3] != keys.shape[:3]:
+        raise _corrupt("entry values do not match its keys")
     ids = tensors.get("ids")
-    if ids is not None and ids.numel() != shape[2]:
-        raise CorruptEntryError("entry token ids do not match its length")
+    if ids is not None and (ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() != shape[2]):
+        raise _corrupt("entry token ids do not match its length")
     user_meta = {k: v for k, v in meta.items() if k not in _RESERVED}
     return KVEntry(keys=keys, values=values, meta=user_meta, token_ids=ids)

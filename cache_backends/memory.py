@@ -1,18 +1,32 @@
-"""An in-process LRU store, bounded in bytes; entries are kept decoded (no copy on get)."""
+"""An in-process LRU store, bounded in bytes; entries are kept decoded (no copy on get).
+
+With `device=None` (the default) entries are kept as given, by reference; with a device
+(`memory://?device=cuda`, the GPU tier) `put` copies them there once, so later gets need no
+transfer. `put` returns the entry as kept, which the tiered store hands back after a promotion.
+A `get` returns a shallow copy of the kept entry with `tier` set ("memory", or "gpu" on CUDA).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Iterable, Sequence
+
+import torch
 
 from .base import KVEntry, StoreStats, check_key
 
 
 class MemoryStore:
-    def __init__(self, max_bytes: int | None = None, url: str = "memory://") -> None:
+    tier = "memory"
+
+    def __init__(self, max_bytes: int | None = None, url: str = "memory://", device: str | torch.device | None = None) -> None:
         self.url = url
         self.max_bytes = max_bytes
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda":
+            self.tier = "gpu"
         self._items: OrderedDict[str, KVEntry] = OrderedDict()
         self._bytes = 0
         self._stats = StoreStats()
@@ -28,19 +42,32 @@ class MemoryStore:
             self._items.move_to_end(key)
             self._stats.hits += 1
             self._stats.bytes_read += entry.nbytes
-            return entry
+        return dataclasses.replace(entry, tier=self.tier)
 
     def get_many(self, keys: Sequence[str]) -> list[KVEntry | None]:
         return [self.get(k) for k in keys]
 
-    def put(self, key: str, entry: KVEntry) -> None:
+    def _to_tier(self, t: torch.Tensor) -> torch.Tensor:
+        """Where this tier keeps a tensor: as given, or copied to its device."""
+        return t if self.device is None else t.to(self.device)
+
+    def put(self, key: str, entry: KVEntry) -> KVEntry | None:
+        """Keep `entry` (moved to this tier's memory); returns the entry as kept, None if too large."""
+        check_key(key)
+        if self.max_bytes is not None and entry.nbytes > self.max_bytes:
+            self.delete(key)
+            return None  # larger than the whole budget: not kept
+        entry = dataclasses.replace(
+            entry,
+            keys=self._to_tier(entry.keys),
+            values=self._to_tier(entry.values),
+            meta=dict(entry.meta),
+            tier=None,
+        )
         with self._lock:
-            check_key(key)
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
-            if self.max_bytes is not None and entry.nbytes > self.max_bytes:
-                return  # larger than the whole budget: not kept
             self._items[key] = entry
             self._bytes += entry.nbytes
             self._stats.puts += 1
@@ -49,6 +76,7 @@ class MemoryStore:
                 _, evicted = self._items.popitem(last=False)
                 self._bytes -= evicted.nbytes
                 self._stats.evictions += 1
+        return entry
 
     def contains(self, key: str) -> bool:
         return check_key(key) in self._items

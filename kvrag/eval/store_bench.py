@@ -1,22 +1,35 @@
-"""Store benchmark: get latency and load throughput per store, and the load share of TTFT.
+"""Store benchmark: each tier's read bandwidth beside the machine's own, get latency per store, and
+the load share of TTFT.
 
-Entries are real SmolLM2 chunk KV (10 chunks of ~150 tokens from the sample corpus), so sizes and
-dtypes are what the engine stores. Disk figures are with a warm page cache (a serving store's
-steady state); the note says so.
+Tier figures (`tier_bandwidth`) use random entries of SmolLM2-135M's shape (30 layers x 3 KV heads
+x 150 tokens x 64 dims, fp32 keys and values: 6.9 MB an entry, 10 entries), so they need no model:
+memory, host and disk (warm page cache, the steady state of a serving store) `get_many`, next to a
+plain read of the same files into a reused buffer (the machine's read speed, single thread), that
+read plus an xxh3 of each file (the floor of any verified read), and on
+CUDA the host-to-device copy of the same bytes from pinned and from pageable memory. The rounds of
+each are interleaved, so a busy machine slows them alike; medians are reported.
+
+    python -m kvrag.eval.store_bench OUT --tiers-only     # the tier table alone, no model
+
+`run_store_bench` (the `kvrag bench-store` CLI) adds per-store latencies and the TTFT load share,
+which need the model; the engine is imported inside those functions only.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from kvrag.cache_backends import KVStore, open_store
-from kvrag.engine import KVRag
-from kvrag.eval.runner import hardware
-from kvrag.types import Chunk
+import torch
+
+from kvrag.cache_backends import DiskStore, HostStore, KVEntry, KVStore, MemoryStore, content_key, open_store
+
+SMOLLM2_SHAPE = (30, 3, 150, 64)  # layers, KV heads, tokens, head dim
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -24,12 +37,128 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def sample_chunks(n: int = 10, words: int = 140) -> list[Chunk]:
-    from kvrag.cli import sample_corpus_dir
-    from kvrag.documents import load_documents
+def random_entries(n: int = 10, shape: tuple[int, ...] = SMOLLM2_SHAPE, dtype: torch.dtype = torch.float32) -> dict[str, KVEntry]:
+    """`n` entries of random KV of `shape`, with token ids, keyed like real entries (hex digests)."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for i in range(n):
+        k = torch.randn(*shape, generator=g).to(dtype)
+        v = torch.randn(*shape, generator=g).to(dtype)
+        ids = torch.randint(0, 49152, (shape[2],), generator=g)
+        out[content_key("store-bench", str(i), str(shape))] = KVEntry(k, v, meta={"kind": "chunk"}, token_ids=ids)
+    return out
 
-    chunks = load_documents([sample_corpus_dir()], max_words=words)
-    return chunks[:n]
+
+def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median seconds of each function, rounds interleaved (one warm-up call each first)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def plain_read(paths: list[Path]) -> Callable[[], None]:
+    """The machine's read: each file into one reused buffer, one thread, no decoding."""
+    buf = bytearray(max(p.stat().st_size for p in paths))
+    view = memoryview(buf)
+
+    def run() -> None:
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(view)
+
+    return run
+
+
+def plain_read_hashed(paths: list[Path]) -> Callable[[], None]:
+    """The machine's read plus the xxh3 checksum of each file: the floor of any verified read."""
+    import xxhash
+
+    buf = bytearray(max(p.stat().st_size for p in paths))
+    view = memoryview(buf)
+
+    def run() -> None:
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                xxhash.xxh3_64(view[: f.readinto(view)]).intdigest()
+
+    return run
+
+
+def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = None, rounds: int = 20) -> dict[str, Any]:
+    """GB/s of each tier's get_many of `entries` and of the machine's plain read of the disk files."""
+    entries = entries or random_entries()
+    keys = list(entries)
+    payload = sum(e.nbytes for e in entries.values())
+    cuda = torch.cuda.is_available()
+    disk = DiskStore(Path(out_dir) / "tier-disk", max_bytes=None, pin=cuda)
+    alt = 2 if disk.threads == 1 else 1  # the default thread count beside another
+    disk1 = DiskStore(Path(out_dir) / "tier-disk", max_bytes=None, pin=cuda, threads=alt)
+    host, memory = HostStore(pin=cuda), MemoryStore()
+    for key, entry in entries.items():
+        for store in (disk, host, memory):
+            store.put(key, entry)
+    paths = [disk._path(k) for k in keys]
+    file_bytes = sum(p.stat().st_size for p in paths)
+    fns: dict[str, Callable[[], Any]] = {
+        "memory get_many": lambda: memory.get_many(keys),
+        "host get_many": lambda: host.get_many(keys),
+        f"disk get_many (default: {disk.threads} thread{'s' * (disk.threads > 1)})": lambda: disk.get_many(keys),
+        f"disk get_many ({alt} thread{'s' * (alt > 1)})": lambda: disk1.get_many(keys),
+        "plain file read": plain_read(paths),
+        "plain file read + xxh3": plain_read_hashed(paths),
+    }
+    if cuda:
+        pinned = [t.pin_memory() for e in entries.values() for t in (e.keys, e.values)]
+        pageable = [t.clone() for e in entries.values() for t in (e.keys, e.values)]
+
+        def h2d(ts: list[torch.Tensor]) -> Callable[[], None]:
+            def run() -> None:
+                for t in ts:
+                    t.to("cuda", non_blocking=True)
+                torch.cuda.synchronize()
+
+            return run
+
+        fns["host-to-device, pinned"] = h2d(pinned)
+        fns["host-to-device, pageable"] = h2d(pageable)
+    secs = _interleaved(fns, rounds)
+    rows = []
+    for name, s in secs.items():
+        nbytes = file_bytes if name.startswith(("disk", "plain")) else payload
+        rows.append({"path": name, "ms": 1000 * s, "gb_s": nbytes / s / 1e9})
+    plain = next(r["gb_s"] for r in rows if r["path"] == "plain file read")
+    for r in rows:
+        r["vs_plain_read"] = r["gb_s"] / plain
+    disk.close()
+    disk1.close()
+    return {
+        "entries": len(keys),
+        "entry_shape": list(next(iter(entries.values())).keys.shape),
+        "entry_mb": file_bytes / len(keys) / 1e6,
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "cuda": torch.cuda.get_device_name(0) if cuda else None,
+        "rows": rows,
+    }
+
+
+def tiers_markdown(t: dict[str, Any]) -> str:
+    lines = [
+        f"tier read bandwidth: {t['entries']} entries of {t['entry_shape']} fp32 K+V ({t['entry_mb']:.1f} MB each), "
+        f"{t['cpus']} CPUs, load average {t['load_avg']:.1f}" + (f", {t['cuda']}" if t.get("cuda") else "") + "; disk with a warm page cache",
+        "",
+        "| path | ms | GB/s | x plain read |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r['path']} | {r['ms']:.1f} | {r['gb_s']:.2f} | {r['vs_plain_read']:.2f} |" for r in t["rows"]]
+    lines += ["", "memory and host tiers hand back the tensors they hold (no copy): their figure is lookup cost per byte."]
+    return "\n".join(lines) + "\n"
 
 
 def time_store(store: KVStore, entries: dict[str, Any], rounds: int = 20) -> dict[str, Any]:
@@ -57,7 +186,15 @@ def time_store(store: KVStore, entries: dict[str, Any], rounds: int = 20) -> dic
     }
 
 
-def ttft_load_share(rag_factory, chunks: list[Chunk], question: str, rounds: int = 5) -> dict[str, Any]:
+def sample_chunks(n: int = 10, words: int = 140) -> list:
+    from kvrag.cli import sample_corpus_dir
+    from kvrag.documents import load_documents
+
+    chunks = load_documents([sample_corpus_dir()], max_words=words)
+    return chunks[:n]
+
+
+def ttft_load_share(rag_factory, chunks: list, question: str, rounds: int = 5) -> dict[str, Any]:
     """Load share of TTFT on a tiered store: cold upper tier, prefetch issued at request start, prefetch done."""
     out: dict[str, Any] = {}
     ids = [c.id for c in chunks]
@@ -82,18 +219,22 @@ def ttft_load_share(rag_factory, chunks: list[Chunk], question: str, rounds: int
 
 
 def run_store_bench(out_dir: str | Path, redis_url: str | None = None, model: str | None = None) -> dict[str, Any]:
+    from kvrag.engine import KVRag
+    from kvrag.eval.runner import hardware
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tiers = tier_bandwidth(out)
     chunks = sample_chunks()
     disk_url = f"disk://{(out / 'disk').resolve()}"
     base = KVRag.from_pretrained(model, store=disk_url)
     base.precompute(chunks, progress=False)
     resolved = base._resolve(chunks)
     entries = dict(zip(resolved.keys, base.store.get_many(resolved.keys)))
-    urls = ["memory://", disk_url, f"disk://{(out / 'disk-int8').resolve()}?quantize=int8"]
+    urls = ["memory://", "host://", disk_url, f"disk://{(out / 'disk-int8').resolve()}?quantize=int8"]
     if redis_url:
         urls += [redis_url, redis_url + ("&" if "?" in redis_url else "?") + "quantize=int8"]
-    urls += [f"tiered://?lower={disk_url}"]
+    urls += [f"tiered://?tiers=memory|{disk_url}"]
     rows = [time_store(open_store(u), entries) for u in urls]
     lower = redis_url or disk_url
 
@@ -107,6 +248,7 @@ def run_store_bench(out_dir: str | Path, redis_url: str | None = None, model: st
     result = {
         "hardware": hardware(),
         "tokens_per_entry": [len(t) for t in resolved.token_ids],
+        "tiers": tiers,
         "stores": rows,
         "ttft_load_share": {"lower": lower.split("@")[-1], **share},
         "note": "disk figures with a warm page cache",
@@ -117,9 +259,10 @@ def run_store_bench(out_dir: str | Path, redis_url: str | None = None, model: st
 
 
 def store_markdown(result: dict[str, Any]) -> str:
-    lines = [
-        f"hardware: {json.dumps(result['hardware'])}; tokens per entry: {result['tokens_per_entry']}",
-        "",
+    lines = [f"hardware: {json.dumps(result['hardware'])}; tokens per entry: {result['tokens_per_entry']}", ""]
+    if result.get("tiers"):
+        lines += [tiers_markdown(result["tiers"])]
+    lines += [
         "| store | entries | MB/entry | get p50 ms | get p99 ms | load MB/s |",
         "|---|---|---|---|---|---|",
     ]
@@ -133,3 +276,22 @@ def store_markdown(result: dict[str, Any]) -> str:
         s = share[mode]
         lines.append(f"| {mode} | {s['load_ms']:.1f} | {s['ttft_ms']:.0f} | {s['load_share']:.0%} |")
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="folder for the store files and the report")
+    ap.add_argument("--tiers-only", action="store_true", help="only the tier bandwidth table (no model)")
+    ap.add_argument("--rounds", type=int, default=20)
+    args = ap.parse_args(argv)
+    if args.tiers_only:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        t = tier_bandwidth(args.out, rounds=args.rounds)
+        (Path(args.out) / "tiers.json").write_text(json.dumps(t, indent=2))
+        print(tiers_markdown(t))
+    else:
+        print(store_markdown(run_store_bench(args.out)))
+
+
+if __name__ == "__main__":
+    main()

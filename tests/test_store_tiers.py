@@ -1,0 +1,401 @@
+"""Store tiers: format 3 (zero-copy views, xxh3, bounded headers), the disk tier's reads, buffers
+and cap, the host tier, the N-tier tiered store, URL options, the default stack, the tier bench."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvrag.cache_backends import (
+    CorruptEntryError,
+    DiskStore,
+    HostStore,
+    KVEntry,
+    MemoryStore,
+    StoreURLError,
+    TieredStore,
+    content_key,
+    default_store_url,
+    open_store,
+    tier_urls,
+)
+from kvrag.cache_backends.disk import DEFAULT_MAX_BYTES
+from kvrag.cache_backends.format import FORMAT_VERSION, StaleEntryError, decode_entry, encode_entry
+from kvrag.cache_backends.host import BufferPool, physical_memory
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def entry(seed=0, tokens=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(3, 2, tokens, 8, generator=g).to(dtype)
+    v = torch.randn(3, 2, tokens, 8, generator=g).to(dtype)
+    return KVEntry(k, v, meta={"kind": "chunk"}, token_ids=torch.arange(tokens))
+
+
+def same(a: KVEntry, b: KVEntry) -> bool:
+    return torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def buffer_of(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _header(data: bytes) -> dict:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n])
+
+
+def _with_header(data: bytes, header: dict) -> bytes:
+    """`data` with its header replaced (same data region), for crafting hostile entries."""
+    n = int.from_bytes(data[:8], "little")
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
+# -- format 3 --------------------------------------------------------------------------------------
+def test_decoded_tensors_view_the_read_buffer():
+    buf = buffer_of(encode_entry(entry()))
+    got = decode_entry(buf)
+    assert same(got, entry()) and torch.equal(got.token_ids, torch.arange(6))
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for t in (got.keys, got.values, got.token_ids):
+        assert lo <= t.data_ptr() < hi  # a view, not a copy
+    assert got.keys.data_ptr() % 8 == 0
+
+
+def test_entries_are_valid_safetensors_with_an_xxh3_checksum():
+    data = encode_entry(entry(dtype=torch.bfloat16))
+    tensors = st_load(data)
+    assert torch.equal(tensors["k"], entry(dtype=torch.bfloat16).keys)
+    meta = _header(data)["__metadata__"]
+    assert meta["format"] == FORMAT_VERSION == "3" and len(meta["checksum"]) == 16  # 64-bit xxh3
+    assert (8 + int.from_bytes(data[:8], "little")) % 64 == 0
+
+
+def test_the_checksum_covers_user_metadata():
+    data = encode_entry(KVEntry(entry().keys, entry().values, meta={"model": "aaaa"}))
+    forged = data.replace(b'"model":"aaaa"', b'"model":"bbbb"')
+    assert forged != data
+    with pytest.raises(CorruptEntryError, match="checksum"):
+        decode_entry(forged)
+
+
+def test_old_format_is_a_stale_miss_not_an_exception(tmp_path):
+    old = st_save(
+        {"k": entry().keys, "v": entry().values},
+        metadata={"magic": "kvrag-entry", "format": "2", "shape": "[3, 2, 6, 8]", "vshape": "[3, 2, 6, 8]",
+                  "dtype": "float32", "quant": "none", "checksum": "00000000"},
+    )
+    with pytest.raises(StaleEntryError):
+        decode_entry(old)
+    store = DiskStore(tmp_path)
+    key = content_key("old")
+    store._path(key).parent.mkdir(parents=True, exist_ok=True)
+    store._path(key).write_bytes(old)
+    assert store.get(key) is None
+    assert not store._path(key).exists() and store.stats().errors == 0 and store.stats().misses == 1
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda h: h["k"].update(shape=[1 << 40, 1 << 40, 1, 1]),
+        lambda h: h["k"].update(data_offsets=[0, 1 << 62]),
+        lambda h: h["k"].update(shape=[3.0, 2, 6, 8]),
+        lambda h: h["k"].update(dtype="F64"),
+        lambda h: h.update(extra={"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}),
+        lambda h: h["v"].update(data_offsets=h["k"]["data_offsets"]),
+    ],
+)
+def test_hostile_tensor_tables_are_rejected_fast(mangle):
+    data = encode_entry(entry())
+    header = _header(data)
+    mangle(header)
+    t = time.perf_counter()
+    with pytest.raises(CorruptEntryError):
+        decode_entry(_with_header(data, header))
+    assert time.perf_counter() - t < 0.5
+
+
+def test_a_huge_header_length_is_rejected_without_allocating():
+    data = (1 << 60).to_bytes(8, "little") + b"{}" * 10
+    with pytest.raises(CorruptEntryError, match="header length"):
+        decode_entry(data)
+    with pytest.raises(CorruptEntryError):
+        decode_entry(b"[" * 100000)  # deeply nested JSON
+
+
+# -- the disk tier ----------------------------------------------------------------------------------
+def test_disk_get_many_is_parallel_ordered_and_sets_the_tier(tmp_path):
+    store = DiskStore(tmp_path, threads=3)
+    keys = [content_key(str(i)) for i in range(8)]
+    for i, k in enumerate(keys):
+        store.put(k, entry(seed=i))
+    bad = store._path(keys[3])
+    bad.write_bytes(bad.read_bytes()[:-5])
+    asked = keys + [content_key("absent")]
+    got = store.get_many(asked)
+    assert got[3] is None and got[-1] is None
+    for i in (0, 1, 2, 4, 5, 6, 7):
+        assert same(got[i], entry(seed=i)) and got[i].tier == "disk"
+    assert store.stats().errors == 1 and store.stats().misses == 2 and not bad.exists()
+
+
+def test_disk_reads_an_entry_whose_header_is_longer_than_a_read_chunk(tmp_path):
+    store = DiskStore(tmp_path)
+    k = content_key("long")
+    big = KVEntry(entry().keys, entry().values, meta={"note": "x" * (700 << 10)})
+    store.put(k, big)
+    got = store.get(k)
+    assert same(got, big) and got.meta["note"] == big.meta["note"]
+
+
+def test_disk_read_buffers_are_never_reused_while_viewed(tmp_path):
+    store = DiskStore(tmp_path)
+    a, b = content_key("a"), content_key("b")
+    store.put(a, entry(seed=1))
+    store.put(b, entry(seed=2))
+    held = store.get(a)
+    held_slice = held.keys[1]  # a view of a view: still owns the buffer
+    for _ in range(5):
+        assert same(store.get(b), entry(seed=2))
+    assert same(held, entry(seed=1)) and torch.equal(held_slice, entry(seed=1).keys[1])
+    reused = store.buffers.reused
+    del held, held_slice
+    store.get(b)
+    store.get(b)
+    assert store.buffers.reused > reused  # once nothing views a buffer, it is recycled
+
+
+def test_buffer_pool_hands_out_exact_sizes_and_skips_busy_buffers():
+    pool = BufferPool()
+    one = pool.take(10_000)
+    assert one.numel() == 10_000
+    two = pool.take(10_000)
+    assert two.data_ptr() != one.data_ptr()
+    ptr = one.data_ptr()
+    del one
+    assert pool.take(9_000).data_ptr() == ptr
+
+
+def test_disk_cleans_stale_temp_files_and_counts_fresh_ones(tmp_path):
+    DiskStore(tmp_path)
+    shard = tmp_path / "entries" / "ab" / "cd"
+    shard.mkdir(parents=True)
+    stale, fresh = shard / ".tmp-dead", shard / ".tmp-live"
+    stale.write_bytes(b"x" * 1000)
+    fresh.write_bytes(b"y" * 700)
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    (tmp_path / "index" / "ef").mkdir(parents=True)
+    (tmp_path / "index" / "ef" / ".tmp-ref").write_text("z")
+    os.utime(tmp_path / "index" / "ef" / ".tmp-ref", (old, old))
+    store = DiskStore(tmp_path)
+    assert store.temp_cleaned == 2 and not stale.exists() and fresh.exists()
+    assert store._scan_size() == 700  # a writer in flight counts toward the cap
+
+
+def test_disk_overwrites_are_not_double_counted(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=10**9)
+    key = content_key("same")
+    store.put(content_key("other"), entry())
+    for _ in range(5):
+        store.put(key, entry())
+    assert store._size == store._scan_size()
+    store.put(key, entry(tokens=20))  # a larger overwrite
+    assert store._size == store._scan_size()
+
+
+def test_disk_default_cap_and_no_cap(tmp_path):
+    assert DiskStore(tmp_path).max_bytes == DEFAULT_MAX_BYTES == 20 << 30
+    assert open_store(f"disk://{tmp_path}").max_bytes == DEFAULT_MAX_BYTES
+    assert open_store(f"disk://{tmp_path}?max_bytes=none").max_bytes is None
+    assert open_store(f"disk://{tmp_path}?max_bytes=1e6").max_bytes == 10**6
+
+
+def test_disk_rejects_a_file_larger_than_its_cap(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=4096)
+    key = content_key("big")
+    path = store._path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * 10_000)
+    assert store.get(key) is None and not path.exists()
+
+
+# -- URL options -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "url, bad",
+    [
+        ("memory://?max_byte=5", "max_byte"),
+        ("host://?pinned=1", "pinned"),
+        ("disk://{tmp}?qantize=int8", "qantize"),
+        ("tiered://?worker=2&tiers=memory|disk://{tmp}", "worker"),
+        ("tiered://?tiers=memory|disk://{tmp}?bogus=1", "bogus"),
+    ],
+)
+def test_unknown_url_options_name_the_option_and_the_allowed_ones(url, bad, tmp_path):
+    with pytest.raises(ValueError, match=f"unknown option '{bad}'.*allowed: ") as err:
+        open_store(url.format(tmp=tmp_path))
+    assert isinstance(err.value, StoreURLError)
+
+
+def test_redis_urls_pass_through_untouched():
+    pytest.importorskip("redis")
+    store = open_store("redis://127.0.0.1:1/0?ttl=5&anything=1")  # no connection is made here
+    assert store.url == "redis://127.0.0.1:1/0?ttl=5&anything=1" and store.ttl == 5
+
+
+# -- the host tier -----------------------------------------------------------------------------------
+def test_host_tier_default_cap_lru_and_tier_name():
+    assert HostStore().max_bytes == int(0.25 * physical_memory())
+    one = entry().nbytes
+    store = open_store(f"host://?max_bytes={2 * one}")
+    assert isinstance(store, HostStore)
+    a, b, c = (content_key(x) for x in "abc")
+    store.put(a, entry(1))
+    store.put(b, entry(2))
+    assert store.get(a).tier == "host"
+    store.put(c, entry(3))
+    assert store.contains(a) and store.contains(c) and not store.contains(b)
+    assert store.nbytes == 2 * one
+
+
+def test_host_tier_is_thread_safe():
+    one = entry().nbytes
+    store = HostStore(max_bytes=5 * one)
+    keys = [content_key(str(i)) for i in range(20)]
+
+    def work(seed: int) -> None:
+        for i in range(200):
+            k = keys[(seed * 7 + i) % len(keys)]
+            store.put(k, entry(seed=0)) if i % 3 else store.get(k)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.nbytes == len(store) * one <= 5 * one
+
+
+# -- the tiered store --------------------------------------------------------------------------------
+def three_tiers(tmp_path) -> TieredStore:
+    return open_store(f"tiered://?workers=2&tiers=memory://?max_bytes=1e9|host://?max_bytes=1e9|disk://{tmp_path}?threads=2")
+
+
+def test_tiered_url_builds_the_stack(tmp_path):
+    store = three_tiers(tmp_path)
+    assert [type(t) for t in store.tiers] == [MemoryStore, HostStore, DiskStore] and store.names == ["memory", "host", "disk"]
+    assert store.tiers[0].max_bytes == 10**9 and store.tiers[2].threads == 2
+    old = open_store(f"tiered://?lower=disk://{tmp_path}&max_bytes=1000")
+    assert [type(t) for t in old.tiers] == [MemoryStore, DiskStore] and old.upper.max_bytes == 1000
+    with pytest.raises(StoreURLError):
+        open_store("tiered://?tiers=memory")
+    assert tier_urls(f"tiered://?tiers=memory|disk://{tmp_path}?pin=1&max_bytes=5") == ["memory://", f"disk://{tmp_path}?pin=1&max_bytes=5"]
+    assert tier_urls("tiered://?lower=disk:///x")[1] == "disk:///x" and tier_urls("disk:///y") == ["disk:///y"]
+
+
+def test_tiered_get_reports_the_tier_and_promotes(tmp_path):
+    store = three_tiers(tmp_path)
+    mem, host, disk = store.tiers
+    k = content_key("x")
+    store.put(k, entry())
+    assert mem.contains(k) and host.contains(k) and disk.contains(k)  # write-through
+    assert store.get(k).tier == "memory"
+    mem.delete(k)
+    got = store.get(k)
+    assert got.tier == "host" and same(got, entry()) and mem.contains(k)
+    mem.delete(k)
+    host.delete(k)
+    got = store.get_many([k, content_key("absent")])
+    assert got[0].tier == "disk" and same(got[0], entry()) and got[1] is None
+    assert mem.contains(k) and host.contains(k)  # promoted into every tier above
+    assert store.get(k).tier == "memory"
+    assert store.stats().hits == 4 and store.stats().misses == 1
+    assert store.tier_stats()["disk"].hits == 1
+
+
+def test_tiered_prefetch_promotes_through_every_tier(tmp_path):
+    disk = DiskStore(tmp_path)
+    keys = [content_key(str(i)) for i in range(4)]
+    for i, k in enumerate(keys):
+        disk.put(k, entry(seed=i))
+    store = TieredStore([MemoryStore(), HostStore(max_bytes=10**9), disk])
+    store.prefetch(keys + keys[:1])
+    store.wait(timeout=30)
+    assert all(store.upper.contains(k) and store.tiers[1].contains(k) for k in keys)
+    reads = disk.stats().hits
+    got = store.get_many(keys)
+    assert [g.tier for g in got] == ["memory"] * 4 and disk.stats().hits == reads == 4
+    assert all(same(g, entry(seed=i)) for i, g in enumerate(got))
+
+
+def test_tiered_get_waits_for_entries_in_flight(tmp_path):
+    class Slow(DiskStore):
+        def get_many(self, keys):
+            time.sleep(0.3)
+            return super().get_many(keys)
+
+    disk = Slow(tmp_path)
+    k = content_key("slow")
+    disk.put(k, entry())
+    store = TieredStore(disk)
+    store.prefetch([k])
+    got = store.get(k)
+    assert got.tier == "disk" and same(got, entry()) and disk.stats().hits == 1  # read once
+
+
+# -- the default stack -------------------------------------------------------------------------------
+def test_default_store_url_per_device(tmp_path):
+    cpu = default_store_url(tmp_path, "cpu")
+    assert cpu.startswith("tiered://?tiers=memory://") and cpu.endswith(f"|disk://{tmp_path}")
+    gpu = default_store_url(tmp_path, "cuda")
+    assert "memory://?device=cuda" in gpu and "|host://?pin=1|" in gpu and gpu.endswith("?pin=1")
+    store = open_store(None, tmp_path, device="cpu")
+    assert isinstance(store, TieredStore) and store.names == ["memory", "disk"]
+    assert isinstance(open_store(None, tmp_path), DiskStore)  # no device: today's plain disk store
+
+
+# -- CUDA: pinned buffers and the GPU tier -----------------------------------------------------------
+@cuda
+def test_pinned_disk_reads_and_host_tier(tmp_path):
+    disk = DiskStore(tmp_path, pin=True)
+    k = content_key("p")
+    disk.put(k, entry())
+    got = disk.get(k)
+    assert got.keys.is_pinned() and got.values.is_pinned() and same(got, entry())
+    host = HostStore(pin=True)
+    host.put(k, entry())
+    assert host.get(k).keys.is_pinned()
+
+
+@cuda
+def test_cuda_default_stack_serves_from_the_gpu(tmp_path):
+    store = open_store(None, tmp_path, device="cuda")
+    assert store.names == ["gpu", "host", "disk"]
+    k = content_key("g")
+    store.put(k, entry())
+    for t in store.tiers[:2]:
+        t.delete(k)
+    got = store.get(k)
+    assert got.tier == "disk" and got.keys.device.type == "cuda" and torch.equal(got.keys.cpu(), entry().keys)
+    assert store.get(k).tier == "gpu"
+
+
+# -- the bench ---------------------------------------------------------------------------------------
+def test_tier_bandwidth_reports_every_tier_beside_the_plain_read(tmp_path):
+    from kvrag.eval.store_bench import random_entries, tier_bandwidth, tiers_markdown
+
+    t = tier_bandwidth(tmp_path, random_entries(3, shape=(2, 1, 16, 8)), rounds=2)
+    paths = [r["path"] for r in t["rows"]]
+    assert "plain file read" in paths and any(p.startswith("disk get_many") for p in paths)
+    assert "memory get_many" in paths and "host get_many" in paths
+    assert all(r["gb_s"] > 0 for r in t["rows"])
+    assert "| plain file read |" in tiers_markdown(t)
