@@ -36,7 +36,9 @@ class KVRagCore:
     ) -> None:
         self.lm = lm
         self.layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
-        self.store: KVStore = store if store is not None and not isinstance(store, str) else open_store(store, default_root=kvrag_home() / "kv")
+        if store is None or isinstance(store, str):  # default: memory -> disk on CPU; GPU -> pinned host -> disk on CUDA
+            store = open_store(store, default_root=kvrag_home() / "kv", device=lm.device)
+        self.store: KVStore = store
         self.rotary = Rotary(lm.model)
         self.computer = KVComputer(lm, self.rotary)
         self.repo = KVRepository(lm, self.store, self.layout, self.computer, batch_size)

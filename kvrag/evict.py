@@ -46,23 +46,26 @@ class SnapKV:
         of each slot of `cache`; protected: bool per slot (prefix and question) always kept.
         """
         out = []
+        free_host = (~protected).nonzero().flatten()  # once, on the host: which slots compete
+        always_host = protected.nonzero().flatten()
+        pool = torch.nn.functional.avg_pool1d if self.pooling == "avg" else torch.nn.functional.max_pool1d
+        free = always = None
         for layer_idx, (keys, values) in enumerate(cache_kv(cache)):  # [1, kv_heads, slots, d]
-            free = (~protected).nonzero().flatten().to(keys.device)
-            if free.numel() <= self.budget:
+            if free_host.numel() <= self.budget:
                 out.append((keys, values))
                 continue
+            if free is None:
+                free, always = free_host.to(keys.device), always_host.to(keys.device)
             q = queries[layer_idx]
             kv_heads = keys.shape[1]
             group = q.shape[0] // kv_heads
             attn = question_attention(q, keys[0], scaling[layer_idx], query_positions, key_positions).sum(dim=1)  # [heads, slots]
             attn = attn.view(kv_heads, group, -1).sum(dim=1)  # per KV head
             pad = self.kernel // 2
-            pool = torch.nn.functional.avg_pool1d if self.pooling == "avg" else torch.nn.functional.max_pool1d
             pooled = pool(attn[:, None], self.kernel, stride=1, padding=pad)[:, 0] if self.kernel > 1 else attn
             top = torch.topk(pooled[:, free], self.budget, dim=-1).indices  # [kv_heads, budget]
             keep_free = free[top]
-            always = protected.nonzero().flatten().to(keys.device)[None].expand(kv_heads, -1)
-            idx = torch.cat([always, keep_free], dim=1).sort(dim=1).values  # [kv_heads, kept]
+            idx = torch.cat([always[None].expand(kv_heads, -1), keep_free], dim=1).sort(dim=1).values  # [kv_heads, kept]
             gather = idx[None, :, :, None].expand(1, kv_heads, idx.shape[1], keys.shape[-1])
             out.append((keys.gather(2, gather), values.gather(2, gather)))
         return decoding_cache(out, self.reserve)

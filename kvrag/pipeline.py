@@ -7,7 +7,6 @@ decoding takes it per token, so concurrent streams interleave and an abandoned s
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -26,6 +25,7 @@ from kvrag.options import KIND_CHUNK, AnswerOptions
 from kvrag.probe import ProbeResult, capture_queries
 from kvrag.repository import KVRepository, Resolved
 from kvrag.rope import Rotary
+from kvrag.timing import clock
 from kvrag.types import Answer, AnswerStats, Chunk
 
 
@@ -84,7 +84,7 @@ class RequestPipeline:
             return self._prefill(question, resolved, opts)
 
     def _prefill(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
-        t0 = time.perf_counter()
+        t0 = clock(self.lm.device)
         meth = opts.resolved_method()
         stats = AnswerStats(method=meth.name)
         links = meth.prepare(PrepareContext(self.lm, len(resolved.token_ids), self._link_adapter, self._default_links))
@@ -103,21 +103,21 @@ class RequestPipeline:
                 window.key_positions = torch.arange(segments.total_len)
             stats.recomputed_tokens = stats.context_tokens
             stats.chunk_prefill_tokens = stats.context_tokens
-            stats.prefill_s = time.perf_counter() - t0
+            stats.prefill_s = clock(self.lm.device) - t0
             stats.ttft_s = stats.prefill_s
             return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks, window=window)
 
         stacks = self.repo.load_chunks(resolved, stats, opts.kv_kind)
-        t1 = time.perf_counter()
+        t1 = clock(self.lm.device)
         stitched = stitch(prefix, stacks, segments, self.rotary, reserve=len(segments.question) + reserve)
-        t2 = time.perf_counter()
+        t2 = clock(self.lm.device)
         stitched, selection = self._select(meth, stitched, opts, stats)
-        t3 = time.perf_counter()
+        t3 = clock(self.lm.device)
         with self._window(opts.evict, segments) as window:
             out = recompute(self.lm, stitched, selection.positions, update=meth.update, link_embeds=links.embeds)
         if window is not None:
             window.key_positions = torch.cat([stitched.positions, torch.arange(segments.context_len, segments.total_len)])
-        t4 = time.perf_counter()
+        t4 = clock(self.lm.device)
         stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
         stats.recomputed_tokens = int(selection.positions.numel())
         stats.ttft_s = t4 - t0
@@ -197,7 +197,7 @@ class RequestPipeline:
 
     def _tokens(self, pre: Prefill, cfg: DecodeConfig) -> Iterator[str]:
         state = DecodeState()
-        t = time.perf_counter()
+        t = clock(self.lm.device)
         tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context)
         while True:
             with self.lm.lock:
@@ -206,5 +206,5 @@ class RequestPipeline:
                 break
             yield piece
         pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
-        pre.stats.decode_s = time.perf_counter() - t
+        pre.stats.decode_s = clock(self.lm.device) - t
         pre.stats.generated_tokens = len(state.token_ids)

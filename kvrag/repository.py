@@ -24,6 +24,7 @@ from kvrag.layout import PromptLayout
 from kvrag.model import LoadedModel
 from kvrag.options import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
 from kvrag.precompute import KVComputer, LayerStack
+from kvrag.timing import clock
 from kvrag.similarity import neighbours_by_embedding, neighbours_from_index
 from kvrag.types import AnswerStats, Chunk
 from kvrag.version import __version__
@@ -291,7 +292,7 @@ class KVRepository:
         """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept)."""
         if kind not in CHUNK_KINDS:
             raise ValueError(f"kv_kind must be one of {CHUNK_KINDS}, got {kind!r}")
-        t = time.perf_counter()
+        t = clock(self.lm.device)
         stacks: list[LayerStack | None] = [None] * len(resolved.chunks)
         kinds = [kind] if kind == KIND_CHUNK else [kind, KIND_CHUNK]
         for k in kinds:
@@ -312,12 +313,15 @@ class KVRepository:
                 if self.valid(e, k, len(resolved.token_ids[i]), resolved.token_ids[i]):
                     stats.cache_hits += 1
                     stats.bytes_loaded += e.nbytes
+                    tier = "request" if i in resolved.loaded else (e.tier or "store")
+                    stats.tiers[tier] = stats.tiers.get(tier, 0) + 1
                     stacks[i] = self._to_device(e)
         stats.path = kind
-        stats.load_s = time.perf_counter() - t
+        stats.load_s = clock(self.lm.device) - t
         misses = [i for i, st in enumerate(stacks) if st is None]
         if misses:
             stats.cache_misses = len(misses)
+            stats.tiers["computed"] = len(misses)
             computed = self.compute_and_store(resolved, misses, None, progress=False)
             for i, st in zip(misses, computed):
                 stacks[i] = st

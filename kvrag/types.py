@@ -40,6 +40,7 @@ class AnswerStats:
     kept_kv_ratio: float = 1.0
     kv_bytes: int = 0  # KV held by the decoding cache at its largest (end of decoding)
     path: str = ""
+    tiers: dict[str, int] = field(default_factory=dict)  # chunks served per store tier ("disk": 3, "computed": 1)
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -246,10 +246,12 @@ def test_unknown_url_options_name_the_option_and_the_allowed_ones(url, bad, tmp_
     assert isinstance(err.value, StoreURLError)
 
 
-def test_redis_urls_pass_through_untouched():
+def test_redis_urls_go_to_the_redis_store_which_checks_its_own_options():
     pytest.importorskip("redis")
-    store = open_store("redis://127.0.0.1:1/0?ttl=5&anything=1")  # no connection is made here
-    assert store.url == "redis://127.0.0.1:1/0?ttl=5&anything=1" and store.ttl == 5
+    store = open_store("redis://127.0.0.1:1/0?ttl=5")  # no connection is made here
+    assert store.url == "redis://127.0.0.1:1/0?ttl=5" and store.ttl == 5
+    with pytest.raises(ValueError, match="anything"):
+        open_store("redis://127.0.0.1:1/0?ttl=5&anything=1")
 
 
 # -- the host tier -----------------------------------------------------------------------------------

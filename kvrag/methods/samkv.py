@@ -30,6 +30,12 @@ from kvrag.model import decoder_of
 from kvrag.probe import probe, resolve_layer
 
 
+def dynamic_top_p_tensor(s_anchor: torch.Tensor, s_max: torch.Tensor, s_min: torch.Tensor) -> torch.Tensor:
+    """`dynamic_top_p` on device scalars, without bringing them to the host."""
+    ok = (s_min < s_anchor) & (s_anchor <= s_max) & (s_max > s_min)
+    return torch.where(ok, (s_max - s_anchor) / (s_max - s_min).clamp_min(1e-30), torch.zeros_like(s_anchor))
+
+
 def dynamic_top_p(s_anchor: float, s_max: float, s_min: float) -> float:
     """SamKV eq. 2: the share of middle blocks above the anchor; 0 unless s_min < s_anchor <= s_max."""
     if not (s_min < s_anchor <= s_max) or s_max <= s_min:
@@ -113,52 +119,53 @@ class SamKV(ScoredMethod):
         compressed = st.keep(anchors)
         res = probe(ctx.lm, ctx.rotary, compressed, layers, recompute=local)
         n_local = local.numel()
-        q_hat: dict[int, list[torch.Tensor]] = {}
-        for n in layers:
-            q = res.queries[n].float()  # [heads, local + question, d]
-            q_que = q[:, n_local:].mean(dim=1)  # [heads, d]
-            q_loc = []
-            for b in blocks:
-                mine = torch.isin(local, torch.tensor(b.positions(list(range(len(b.ranges))))))
-                q_loc.append(q[:, :n_local][:, mine].mean(dim=1) if mine.any() else torch.zeros_like(q_que))
-            weights = [abs(float(torch.nn.functional.cosine_similarity(q_que.reshape(-1), ql.reshape(-1), dim=0))) for ql in q_loc]
-            d = len(blocks)
-            q_hat[n] = [
-                q_que + sum(w * ql for j, (w, ql) in enumerate(zip(weights, q_loc)) if j != i) / max(1, d - 1) for i in range(d)
-            ]
-        # 2. block scores, eq. 2-3, and token scores for the recompute step
-        token_scores = torch.full((st.segments.context_len,), float("-inf"))
+        device = res.queries[layers[0]].device
+        # host-side layout, once: which local queries are each chunk's, where its anchors sit
+        mine = [torch.isin(local, torch.tensor(b.positions(list(range(len(b.ranges)))))) for b in blocks]
+        has_local = [bool(m.any()) for m in mine]
+        mine = [m.to(device) for m in mine]
+        q_hat = {n: self._personal_queries(res.queries[n].float(), n_local, mine, has_local) for n in layers}
+        # 2. block scores, eq. 2-3, and token scores for the recompute step; all on the device,
+        # brought to the host once at the end (no sync inside the per-layer loop)
+        token_scores = torch.full((st.segments.context_len,), float("-inf"), device=device)
+        block_scores = [torch.zeros(len(b.ranges), device=device) for b in blocks]
+        p_chunks = []
+        for i, b in enumerate(blocks):
+            mid = b.middle
+            base, end = b.ranges[0][0], b.ranges[-1][1]
+            slots = st.slots_of(torch.arange(base, end)).to(st.keys.device)
+            anchor_idx = torch.tensor([p - base for p in b.positions([k for k, a in enumerate(b.anchor) if a])], device=device)
+            mid_idx = torch.tensor(mid, dtype=torch.long, device=device)
+            sizes = torch.tensor([e - s for s, e in b.ranges], device=device)
+            owner = torch.repeat_interleave(torch.arange(len(b.ranges), device=device), sizes)
+            p_layers = []
+            for n in layers:
+                qh = q_hat[n][i]  # [heads, d]
+                tok = question_attention(qh[:, None], st.keys[n][:, slots], 1 / math.sqrt(qh.shape[-1]), softmax=False)
+                tok = tok[:, 0].sum(dim=0) / qh.shape[0]  # [tokens]: the pooled query's score, mean over heads
+                scores = torch.zeros(len(b.ranges), device=device).index_add_(0, owner, tok) / sizes  # score of the mean key
+                block_scores[i] += scores / len(layers)
+                span = token_scores[base:end]
+                token_scores[base:end] = torch.where(span.isinf(), 0.0, span) + tok / len(layers)
+                if mid:
+                    p_layers.append(dynamic_top_p_tensor(tok[anchor_idx].mean(), scores[mid_idx].max(), scores[mid_idx].min()))
+            p_chunks.append(torch.stack(p_layers).mean() if p_layers else torch.zeros((), device=device))
+        p_host = torch.stack(p_chunks).tolist()
+        scores_host = [bs.tolist() for bs in block_scores]
         proposals: list[tuple[float, int, int]] = []  # (normalised score, chunk, block)
         total_middle = 0
         for i, b in enumerate(blocks):
             mid = b.middle
             total_middle += len(mid)
-            block_scores = torch.zeros(len(b.ranges))
-            p_layers = []
-            for n in layers:
-                keys = st.keys[n].float()  # [kv_heads, slots, d]
-                qh = q_hat[n][i]  # [heads, d]
-                base, end = b.ranges[0][0], b.ranges[-1][1]
-                slots = st.slots_of(torch.arange(base, end))
-                tok = question_attention(qh[:, None], keys[:, slots], 1 / math.sqrt(qh.shape[-1]), softmax=False)
-                tok = tok[:, 0].sum(dim=0).cpu() / qh.shape[0]  # [tokens]: the pooled query's score, mean over heads
-                scores = torch.stack([tok[s - base : e - base].mean() for s, e in b.ranges])  # score of the mean key
-                block_scores += scores / len(layers)
-                span = token_scores[base:end]
-                token_scores[base:end] = torch.where(span.isinf(), 0.0, span) + tok / len(layers)
-                if mid:
-                    anchor_score = float(tok[[p - base for p in b.positions([k for k, a in enumerate(b.anchor) if a])]].mean())
-                    p_layers.append(dynamic_top_p(anchor_score, float(scores[mid].max()), float(scores[mid].min())))
             if not mid:
                 continue
-            p_i = sum(p_layers) / len(p_layers)
-            k = math.ceil(p_i * len(mid))
-            ms = block_scores[mid]
-            lo, hi = float(ms.min()), float(ms.max())
-            order = sorted(mid, key=lambda blk: -float(block_scores[blk]))[:k]
-            for blk in order:
-                norm = (float(block_scores[blk]) - lo) / (hi - lo) if hi > lo else 1.0
+            k = math.ceil(p_host[i] * len(mid))
+            ms = [scores_host[i][blk] for blk in mid]
+            lo, hi = min(ms), max(ms)
+            for blk in sorted(mid, key=lambda blk: -scores_host[i][blk])[:k]:
+                norm = (scores_host[i][blk] - lo) / (hi - lo) if hi > lo else 1.0
                 proposals.append((norm, i, blk))
+        token_scores = token_scores.cpu()
         if not self.sparsify:
             return Selection(st.chunk_positions(), token_scores)
         # cross-chunk filtering: the best (total middle blocks / chunks) of all proposals
@@ -166,6 +173,18 @@ class SamKV(ScoredMethod):
         chosen = sorted(proposals, key=lambda x: -x[0])[:limit]
         kept = anchors.tolist() + [p for _, i, blk in chosen for p in blocks[i].positions([blk])]
         return Selection(torch.tensor(sorted(set(kept)), dtype=torch.long), token_scores)
+
+    @staticmethod
+    def _personal_queries(q: torch.Tensor, n_local: int, mine: list[torch.Tensor], has_local: list[bool]) -> list[torch.Tensor]:
+        """Eq. 1: each chunk's query Q̂_i = Q_que + the |cos|-weighted local queries of the other chunks."""
+        q_que = q[:, n_local:].mean(dim=1)  # [heads, d]
+        q_loc = [q[:, :n_local][:, m].mean(dim=1) if has else torch.zeros_like(q_que) for m, has in zip(mine, has_local)]
+        locs = torch.stack(q_loc)  # [chunks, heads, d]
+        weights = torch.nn.functional.cosine_similarity(q_que.reshape(1, -1), locs.reshape(len(q_loc), -1), dim=1).abs()
+        weighted = weights[:, None, None] * locs
+        total = weighted.sum(dim=0)
+        d = len(q_loc)
+        return [q_que + (total - weighted[i]) / max(1, d - 1) for i in range(d)]
 
     def scores(self, ctx: SelectContext) -> torch.Tensor:
         """Recompute the kept chunk tokens with the highest personalised-query scores (from `keep`, in `ctx.prior`)."""
