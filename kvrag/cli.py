@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     from kvrag.check import add_check_model_parser
 
     add_check_model_parser(sub)
-    from kvrag.train import add_train_links_parser
+    from kvrag.training.cli import add_train_links_parser
 
     add_train_links_parser(sub)
     demo = sub.add_parser("demo", help="the Streamlit demo: ask, compare with Full Attention, see what was recomputed")
@@ -365,7 +365,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
 
 
 def cmd_train_links(args: argparse.Namespace) -> int:
-    from kvrag.train import cmd_train_links as train
+    from kvrag.training.cli import cmd_train_links as train
 
     return train(args)
 
