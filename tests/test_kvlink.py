@@ -449,7 +449,7 @@ def test_a_padded_batch_gives_each_example_its_own_loss():
 
 
 def test_training_run_checkpoints_and_resumes_exactly(tmp_path, monkeypatch):
-    import kvrag.train as train_mod
+    import kvrag.training.loop as train_mod
 
     rag = make_rag()
     data = rows(6)

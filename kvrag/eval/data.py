@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrag.documents import chunk_id
+from kvrag.samples import sample_corpus_dir, sample_questions
 from kvrag.types import Chunk
 
 
@@ -64,7 +65,6 @@ def sample_examples(n: int | None = None, seed: int = 0, chunks_per_question: in
     Each question gets its own document's chunks plus other documents' chunks as distractors, in a
     seeded order, so the gold passage is not always first.
     """
-    from kvrag.cli import sample_corpus_dir, sample_questions
     from kvrag.documents import load_documents
 
     chunks = load_documents([sample_corpus_dir()])

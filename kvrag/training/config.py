@@ -1,0 +1,62 @@
+"""The training run's settings (`TrainConfig`) and what must match for `--resume`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrag.links import DEFAULT_MAX_CHUNKS, MODES
+
+DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+
+
+# -- configuration ------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    out: str
+    data: list[str] = field(default_factory=list)  # PATH or PATH@START:END
+    rows: str = "0:1200"  # row range for --data entries without their own
+    model: str | None = None  # HF id, folder, .gguf; None: the bundled SmolLM2
+    mode: str = "links"
+    link_tokens: int = 5
+    max_chunks: int = DEFAULT_MAX_CHUNKS
+    epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    batch_size: int = 1
+    grad_accum: int = 8
+    lr: float = 1e-4  # LoRA factors / full weights
+    link_lr: float = 5e-3  # link embeddings
+    weight_decay: float = 0.0
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_targets: str = DEFAULT_LORA_TARGETS
+    seed: int = 0
+    save_every: int = 25
+    max_tokens: int = 2048  # longest example; trailing non-gold passages are dropped to fit
+    max_minutes: float | None = None  # stop (and save) after this long
+    device: str = "auto"
+    dtype: str = "auto"
+    grad_checkpointing: bool = False
+    resume: bool = False
+    allow_eval_rows: bool = False
+    progress: bool = True
+    adapter_out: str | None = None  # default OUT/adapter.safetensors
+    store: str | None = None  # mode links: the KV store chunk KV is read from / kept in (default: kvrag's own)
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.link_tokens < 0 or self.max_chunks < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("link_tokens >= 0, max_chunks >= 1, batch_size >= 1 and grad_accum >= 1 are required")
+        if self.mode == "links" and self.link_tokens == 0:
+            raise ValueError("mode 'links' with 0 link tokens has nothing to train")
+
+    def resume_key(self) -> dict[str, Any]:
+        """What must not change between a run and its resumption."""
+        keys = ("data", "rows", "model", "mode", "link_tokens", "max_chunks", "batch_size", "grad_accum", "seed", "max_tokens",
+                "lora_r", "lora_alpha", "lora_targets", "system_prompt")
+        return {k: getattr(self, k) for k in keys}
+
