@@ -20,7 +20,8 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 
-from .base import ByteStore, CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
+from .base import CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
+from .byte_store import ByteStore
 from .disk import DEFAULT_MAX_BYTES, DiskStore
 from .host import HostStore
 from .memory import MemoryStore

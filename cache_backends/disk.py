@@ -30,7 +30,8 @@ from typing import Sequence
 
 import torch
 
-from .base import ByteStore, CorruptEntryError, Fetched, StoreError, user_id_digest
+from .base import CorruptEntryError, StoreError, user_id_digest
+from .byte_store import ByteStore, Fetched
 from .format import MAX_ENTRY_BYTES, MAX_HEADER_BYTES, checksum_start, decode_verified, header_length, parse_header
 from .host import BufferPool
 

@@ -27,7 +27,8 @@ import struct
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
-from .base import ByteStore, CorruptEntryError, StoreError, check_key
+from .base import CorruptEntryError, StoreError, check_key
+from .byte_store import ByteStore
 from .redis_options import RedisOptions, connection_url, url_secrets
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,125 @@
+"""Shared logic of the stores that keep encoded bytes (disk, Redis): decode, verify, count, evict corrupt."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .base import CorruptEntryError, KVEntry, StoreStats, check_key
+from .format import StaleEntryError, decode_entry, encode_entry
+
+log = logging.getLogger(__name__)
+
+
+Fetched = tuple["KVEntry | CorruptEntryError | None", int]  # a decoded entry, its damage, or a miss; bytes read
+
+
+class ByteStore:
+    """Shared logic of stores that keep encoded bytes (disk, Redis): decode, verify, count, evict corrupt.
+
+    Subclasses implement `_read_many`, `_write`, `_remove`, `_exists`, `_link` and `_resolve`; a
+    backend that can read into its own buffers and decode in parallel (disk) overrides `_fetch_many`.
+    `_read_many` may return bytes or 1-D uint8 CPU tensors; entries decoded from a tensor view it.
+    """
+
+    url: str = ""
+    tier: str = ""  # the name reported in KVEntry.tier; default: the class name less "Store"
+
+    def __init__(self, quantize: bool = False) -> None:
+        self.quantize = quantize
+        self._stats = StoreStats()
+        self._lock = threading.Lock()
+
+    # -- raw operations, per backend ------------------------------------------------------------
+    def _read_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def _fetch_many(self, keys: Sequence[str]) -> list[Fetched]:
+        """Read and decode each key: (entry, bytes read), (CorruptEntryError, bytes read) or (None, 0)."""
+        return [decode_fetched(data) for data in self._read_many(keys)]
+
+    def _write(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _remove(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
+        raise NotImplementedError
+
+    # -- the protocol -----------------------------------------------------------------------------
+    def get(self, key: str) -> KVEntry | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[KVEntry | None]:
+        for k in keys:
+            check_key(k)
+        name = self.tier or type(self).__name__.removesuffix("Store").lower()
+        out: list[KVEntry | None] = []
+        for key, (entry, nbytes) in zip(keys, self._fetch_many(keys)):
+            if isinstance(entry, CorruptEntryError):
+                if isinstance(entry, StaleEntryError):
+                    log.info("dropping cache entry %s… of an older format: %s", key[:12], entry)
+                else:
+                    log.warning("deleting corrupt cache entry %s…: %s", key[:12], entry)
+                    with self._lock:
+                        self._stats.errors += 1
+                self._remove(key)
+                entry = None
+            with self._lock:
+                if entry is None:
+                    self._stats.misses += 1
+                else:
+                    self._stats.hits += 1
+                    self._stats.bytes_read += nbytes
+            if entry is not None:
+                entry.tier = name
+            out.append(entry)
+        return out
+
+    def put(self, key: str, entry: KVEntry) -> None:
+        data = encode_entry(entry, quantize=self.quantize)
+        self._write(check_key(key), data)
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.bytes_written += len(data)
+
+    def contains(self, key: str) -> bool:
+        return self._exists(check_key(key))
+
+    def delete(self, key: str) -> None:
+        self._remove(check_key(key))
+
+    def stats(self) -> StoreStats:
+        return self._stats
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Nothing to do here; the tiered store prefetches from a byte store into memory."""
+
+    def link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
+        for k in keys:
+            check_key(k)
+        self._link([str(u) for u in user_ids], list(keys))
+
+    def resolve(self, user_ids: Sequence[str]) -> list[str | None]:
+        return self._resolve([str(u) for u in user_ids])
+
+
+def decode_fetched(data: Any) -> Fetched:
+    """Decode one raw read (bytes, a uint8 tensor, or None for a miss) without raising."""
+    if data is None:
+        return None, 0
+    nbytes = data.numel() if isinstance(data, torch.Tensor) else len(data)
+    try:
+        return decode_entry(data), nbytes
+    except CorruptEntryError as exc:
+        return exc, nbytes
