@@ -38,6 +38,7 @@ __all__ = [
     "load_documents",
     "read_text_file",
     "split_text",
+    "text_or_raise",
 ]
 
 SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl")
