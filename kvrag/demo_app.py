@@ -1,32 +1,49 @@
 """kvrag's Streamlit demo: ask a question, watch a KV-reuse method answer next to Full Attention.
 
-Run it with `streamlit run kvrag/demo_app.py` (or `streamlit run demos/streamlit_app.py` from a
-clone, or `kvrag.demo_launch.launch()`). On first start it indexes the bundled sample corpus and
-precomputes its KV under `$KVRAG_DEMO_DIR` (default `$KVRAG_HOME/demo`); later starts reuse it.
+Run it with `kvrag demo` (or `streamlit run demos/streamlit_app.py` from a clone, or
+`kvrag.demo_launch.launch()`); both serve 127.0.0.1 only unless told otherwise. On first start it
+indexes the bundled sample corpus and precomputes its KV under `$KVRAG_DEMO_DIR` (default
+`$KVRAG_HOME/demo`); later starts reuse it.
 
 The page shows, for one question, the chosen method's answer and Full Attention's answer, each
-streamed, their time-to-first-token and the speed-up, and the retrieved chunks with the tokens
-the method recomputed highlighted. Everything from users (uploads, chunk titles, model output)
-is escaped before it reaches HTML; uploads are checked in `kvrag.demo_upload`.
+streamed as plain text, their time-to-first-token and the speed-up, and the retrieved chunks with
+the tokens the method recomputed highlighted. Its parts live in `kvrag.demo` (stores, rendering,
+ingestion and its caps); uploads are checked in `kvrag.demo_upload`.
 """
 
 from __future__ import annotations
 
-import html
-import os
-import re
-import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
-from urllib.parse import parse_qs, urlparse, urlunparse
+from typing import Any
 
 import streamlit as st
 
-from kvrag.cli import _quiet_libraries, sample_corpus_dir, sample_questions
-from kvrag.demo_upload import MAX_UPLOAD_BYTES, MAX_UPLOAD_FILES, UploadError, load_uploads, save_upload, upload_chunks, validate_upload
+from kvrag.cli import _quiet_libraries, sample_questions
+from kvrag.demo.ingest import (  # noqa: F401  (re-exported for callers of the old single module)
+    CHUNK_TOKENS,
+    MAX_STORE_BYTES,
+    MAX_UPLOAD_TOKENS,
+    ensure_ingested,
+    handle_uploads,
+    index_missing,
+    precompute_with_progress,
+    uploads_dir,
+)
+from kvrag.demo.render import ChunkView, chunk_views, highlight_html, plain_label, show_answer, stream_answer, token_pieces  # noqa: F401
+from kvrag.demo.stores import (  # noqa: F401
+    ALLOW_HOSTS_ENV,
+    DEMO_DIR_ENV,
+    StoreUnreachable,
+    check_store,
+    check_store_url,
+    data_dir,
+    default_store_url,
+    is_loopback_host,
+    redact_url,
+)
+from kvrag.demo_upload import MAX_UPLOAD_BYTES, MAX_UPLOAD_FILES
 from kvrag.errors import KVRagError
-from kvrag.model import kvrag_home
 from kvrag.types import AnswerStats, Chunk
 
 _quiet_libraries()  # before the model/embedder imports below: offline, no progress bars
@@ -36,56 +53,6 @@ DEFAULT_METHOD = "cacheblend"
 DEFAULT_RATIO = 0.15
 DEFAULT_K = 5
 DEFAULT_MAX_NEW_TOKENS = 48
-PRECOMPUTE_BATCH = 8
-DEMO_DIR_ENV = "KVRAG_DEMO_DIR"
-
-
-# -- places ---------------------------------------------------------------------------------------
-def data_dir() -> Path:
-    """Where the demo keeps its index, KV store and uploads: $KVRAG_DEMO_DIR or $KVRAG_HOME/demo."""
-    raw = os.environ.get(DEMO_DIR_ENV)
-    return (Path(raw).expanduser() if raw else kvrag_home() / "demo").resolve()
-
-
-def default_store_url(folder: Path) -> str:
-    """A disk store inside the demo folder, so the demo never touches the CLI's default store."""
-    return f"disk://{(folder / 'kv').resolve()}"
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced, for showing on the page."""
-    try:
-        parsed = urlparse(url)
-        if parsed.password:
-            netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
-            return urlunparse(parsed._replace(netloc=netloc))
-    except ValueError:
-        pass
-    return url
-
-
-def check_store_url(url: str, folder: Path) -> None:
-    """Refuse a disk store outside the demo folder: the URL is typed by whoever opens the page.
-
-    Redis and memory stores are allowed as they are; a tiered store is checked through its lower tier.
-    """
-    parsed = urlparse(url)
-    scheme = parsed.scheme.lower()
-    if scheme == "disk":
-        path = Path(parsed.netloc + parsed.path).expanduser().resolve()
-        if not path.is_relative_to(folder.resolve()):
-            raise ValueError(f"a disk store must be inside the demo folder {folder} (set {DEMO_DIR_ENV} to move it)")
-    elif scheme == "tiered":
-        lower = parse_qs(parsed.query).get("lower", [""])[0]
-        if lower:
-            check_store_url(lower, folder)
-
-
-def plain_label(text: str, limit: int = 80) -> str:
-    """Text safe to put in a Streamlit markdown label: letters, digits and simple punctuation only."""
-    cleaned = re.sub(r"[^\w .,:;!?()'/-]+", " ", text or "", flags=re.UNICODE)
-    cleaned = " ".join(cleaned.split())
-    return cleaned[:limit] + ("..." if len(cleaned) > limit else "")
 
 
 # -- methods --------------------------------------------------------------------------------------
@@ -121,215 +88,18 @@ def open_index(folder: str) -> Any:
     return ChunkIndex(Path(folder) / "chroma", collection="kvrag_demo")
 
 
-def check_store(store: Any) -> None:
-    """Fail now, with a clear message, if a networked store (Redis, or under a tiered one) is unreachable.
-
-    The engine treats a down Redis as a cache miss by design, which would hide a mistyped URL.
-    """
-    from kvrag.cache_backends import StoreError
-
-    for s in (store, getattr(store, "lower", None)):
-        client = getattr(s, "client", None)
-        if client is None or not hasattr(client, "ping"):
-            continue
-        try:
-            client.ping()
-        except Exception as exc:
-            raise StoreError(f"cannot reach {redact_url(getattr(s, 'url', '?'))}: {exc}") from None
-
-
 @st.cache_resource(show_spinner="Opening the KV store ...")
 def open_engine(store_url: str) -> Any:
     """An engine over the shared model and the store at `store_url` (one per URL per process)."""
     from kvrag.cache_backends import open_store
     from kvrag.engine import KVRag
 
-    store = open_store(store_url)
+    try:
+        store = open_store(store_url)
+    except Exception:  # a client library's message may carry what the server answered: not repeated
+        raise StoreUnreachable(f"could not open the store at {redact_url(store_url)}") from None
     check_store(store)
     return KVRag(load_lm(), store=store)
-
-
-@dataclass
-class _IngestRegistry:
-    """Which (folder, store) pairs hold the corpus already; the lock makes one session do the work."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    done: set[tuple[str, str]] = field(default_factory=set)
-
-
-@st.cache_resource
-def ingest_registry() -> _IngestRegistry:
-    return _IngestRegistry()
-
-
-# -- ingestion ------------------------------------------------------------------------------------
-def uploads_dir(folder: Path) -> Path:
-    return folder / "uploads"
-
-
-def index_missing(index: Any, chunks: Sequence[Chunk]) -> int:
-    """Add the chunks the index lacks (embedding is the slow part, so known ones are skipped)."""
-    have = {c.id for c in index.get([c.id for c in chunks])}
-    todo = [c for c in chunks if c.id not in have]
-    if todo:
-        index.add(todo)
-    return len(todo)
-
-
-def precompute_with_progress(rag: Any, chunks: Sequence[Chunk], bar: Any, what: str = "chunks") -> int:
-    """Precompute KV in small batches so the progress bar moves; returns how many were computed."""
-    computed, n = 0, len(chunks)
-    for start in range(0, n, PRECOMPUTE_BATCH):
-        report = rag.precompute(chunks[start : start + PRECOMPUTE_BATCH], progress=False)
-        computed += report.computed
-        done = min(n, start + PRECOMPUTE_BATCH)
-        bar.progress(done / n, text=f"precomputing KV: {done}/{n} {what}")
-    return computed
-
-
-def warm_up(rag: Any, chunks: Sequence[Chunk]) -> None:
-    """One small prefill per path, so the first question's TTFT is not paying one-off start-up costs."""
-    if chunks:
-        for method in (BASELINE, "reuse", DEFAULT_METHOD):
-            rag.prefill("Warm-up?", chunks=list(chunks), method=method)
-
-
-def ensure_ingested(rag: Any, index: Any, folder: Path) -> None:
-    """Index and precompute the sample corpus and earlier uploads once per (folder, store)."""
-    from kvrag.documents import load_documents
-
-    registry = ingest_registry()
-    key = (str(folder), rag.store.url)
-    if key in registry.done:
-        return
-    with registry.lock:
-        if key in registry.done:
-            return
-        chunks = load_documents([sample_corpus_dir()]) + load_uploads(uploads_dir(folder))
-        with st.status(f"Preparing the sample corpus ({len(chunks)} chunks) ...", expanded=True) as status:
-            bar = st.progress(0.0, text="indexing chunks ...")
-            added = index_missing(index, chunks)
-            bar.progress(0.0, text=f"indexed {added} new chunks; precomputing KV ...")
-            computed = precompute_with_progress(rag, chunks, bar)
-            bar.progress(1.0, text="warming up the model ...")
-            warm_up(rag, chunks[:2])
-            status.update(
-                label=f"Corpus ready: {len(chunks)} chunks ({added} newly indexed, {computed} KV caches computed)",
-                state="complete",
-                expanded=False,
-            )
-        registry.done.add(key)
-
-
-def handle_uploads(files: Sequence[Any], rag: Any, index: Any, folder: Path) -> None:
-    """Validate, save (under a content-hash name), index and precompute each new upload."""
-    if not files:
-        return
-    if len(files) > MAX_UPLOAD_FILES:
-        st.sidebar.error(f"At most {MAX_UPLOAD_FILES} files at a time; remove some and try again.")
-        return
-    seen: set[str] = st.session_state.setdefault("ingested_uploads", set())
-    for f in files:
-        name = plain_label(getattr(f, "name", "file"), 60) or "file"
-        try:
-            upload = validate_upload(f.name, f.getvalue())
-        except UploadError as exc:
-            st.sidebar.error(f"{name}: {exc}")
-            continue
-        if upload.digest in seen:
-            continue
-        path = uploads_dir(folder) / upload.file_name
-        existed = path.exists()
-        try:
-            path = save_upload(upload, uploads_dir(folder))
-            chunks = upload_chunks(path)
-            if not chunks:
-                raise UploadError("no text to index in the file")
-            index_missing(index, chunks)
-            bar = st.sidebar.progress(0.0, text=f"{name}: precomputing KV ...")
-            precompute_with_progress(rag, chunks, bar, what=f"chunks of {name}")
-        except (UploadError, KVRagError, ValueError, OSError) as exc:
-            if not existed:
-                path.unlink(missing_ok=True)
-            st.sidebar.error(f"{name}: could not be added ({exc})")
-            continue
-        seen.add(upload.digest)
-        st.sidebar.success(f"{name}: added {len(chunks)} chunk(s)")
-
-
-# -- highlighting ---------------------------------------------------------------------------------
-def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[tuple[int, int, str]]:
-    """(first, end, text) for runs of tokens that decode to whole characters, in order.
-
-    Tokens are decoded cumulatively, so a character split across byte-level tokens is shown once,
-    attached to the run of tokens that completes it, instead of as replacement characters.
-    """
-    pieces: list[tuple[int, int, str]] = []
-    emitted, first = "", 0
-    for i in range(len(ids)):
-        text = tokenizer.decode(list(ids[: i + 1]), skip_special_tokens=False)
-        if text.endswith("\ufffd") and i + 1 < len(ids):
-            continue  # an incomplete character: wait for the token that finishes it
-        if text.startswith(emitted):
-            pieces.append((first, i + 1, text[len(emitted) :]))
-        else:  # decoding is not prefix-stable here; fall back to this token on its own
-            pieces.append((first, i + 1, tokenizer.decode([ids[i]], skip_special_tokens=False)))
-        emitted, first = text, i + 1
-    return pieces
-
-
-def highlight_html(pieces: Sequence[tuple[int, int, str]], start: int, selected: set[int], kept: set[int] | None) -> str:
-    """Escaped HTML of one chunk: recomputed tokens in <mark>, tokens a sparse method dropped in <s>.
-
-    Neighbouring pieces of the same kind share one tag, which keeps the page small.
-    """
-    runs: list[tuple[str, str]] = []  # (kind, escaped text)
-    for first, end, text in pieces:
-        positions = range(start + first, start + end)
-        if any(p in selected for p in positions):
-            kind = "mark"
-        elif kept is not None and not any(p in kept for p in positions):
-            kind = "dropped"
-        else:
-            kind = ""
-        if runs and runs[-1][0] == kind:
-            runs[-1] = (kind, runs[-1][1] + html.escape(text))
-        else:
-            runs.append((kind, html.escape(text)))
-    tags = {"mark": ("<mark>", "</mark>"), "dropped": ('<s style="opacity:0.45">', "</s>"), "": ("", "")}
-    body = "".join(tags[kind][0] + text + tags[kind][1] for kind, text in runs)
-    return '<div style="white-space:pre-wrap;font-size:0.88em;line-height:1.5">' + body + "</div>"
-
-
-@dataclass
-class ChunkView:
-    """One retrieved chunk as shown on the page (plain data: it is kept in session state)."""
-
-    label: str
-    html: str
-    tokens: int
-    recomputed: int
-
-
-def chunk_views(rag: Any, pre: Any) -> list[ChunkView]:
-    """Each retrieved chunk of a prefill with its recomputed tokens (`pre.selected`, global positions) marked."""
-    selected = {int(p) for p in pre.selected.tolist()}
-    stitched = getattr(pre, "stitched", None)
-    kept = {int(p) for p in stitched.positions.tolist()} if stitched is not None and pre.stats.kept_kv_ratio < 1.0 else None
-    views = []
-    for i, (start, ids) in enumerate(zip(pre.segments.chunk_starts, pre.segments.chunks)):
-        chunk = pre.chunks[i] if i < len(pre.chunks) else None
-        n_sel = sum(1 for p in range(start, start + len(ids)) if p in selected)
-        title = plain_label(chunk.title if chunk and chunk.title else (chunk.id if chunk else f"chunk {i + 1}"), 60)
-        views.append(
-            ChunkView(
-                label=f"{i + 1}. {title}: {n_sel}/{len(ids)} tokens recomputed",
-                html=highlight_html(token_pieces(rag.lm.tokenizer, ids), start, selected, kept),
-                tokens=len(ids),
-                recomputed=n_sel,
-            )
-        )
-    return views
 
 
 # -- answering ------------------------------------------------------------------------------------
@@ -393,7 +163,7 @@ def answer_side(rag: Any, question: str, chunks: list[Chunk], method: str, ratio
     st.subheader(side_title(method, ratio))
     pre = rag.prefill(question, chunks=chunks, method=method, recompute_ratio=ratio)
     stream = rag.decode(pre, max_new_tokens=max_new)
-    text = st.write_stream(stream)
+    text = stream_answer(stream)  # plain text: the model's Markdown, links and images are not rendered
     stats: AnswerStats = stream.stats
     st.metric("Time to first token", f"{stats.ttft_s * 1000:.0f} ms")
     st.caption(stats_caption(stats.as_dict()))
@@ -402,7 +172,7 @@ def answer_side(rag: Any, question: str, chunks: list[Chunk], method: str, ratio
 
 def show_side(side: Side, ratio: float) -> None:
     st.subheader(side_title(side.method, ratio))
-    st.markdown(side.text or "_(empty answer)_")
+    show_answer(side.text)
     st.metric("Time to first token", f"{side.stats['ttft_s'] * 1000:.0f} ms")
     st.caption(stats_caption(side.stats))
 
@@ -501,14 +271,29 @@ def show_store(rag: Any) -> None:
 
 def open_or_stop(settings: Settings) -> Any:
     """The engine for the chosen store, or a clear error (never a traceback) and the end of this run."""
+    shown = redact_url(settings.store_url)
     try:
-        check_store_url(settings.store_url, data_dir())
+        check_store_url(settings.store_url, data_dir())  # our own checks: their messages are safe to show
+    except ValueError as exc:
+        st.error(f"Cannot use the KV store {shown!r}: {exc}")
+        st.stop()
+    try:
         return open_engine(settings.store_url)
-    except (KVRagError, ValueError) as exc:
-        st.error(f"Cannot use the KV store {redact_url(settings.store_url)!r}: {exc}")
-    except Exception as exc:  # a bad URL can fail inside a client library in many ways
-        st.error(f"Cannot use the KV store {redact_url(settings.store_url)!r}: {type(exc).__name__}: {exc}")
+    except (StoreUnreachable, KVRagError) as exc:  # messages of our own, with the URL redacted
+        st.error(f"Cannot use the KV store {shown!r}: {exc}")
+    except Exception:  # nothing a client library or the server said is repeated on the page
+        st.error(f"Cannot use the KV store {shown!r}: could not connect to the store at {shown}")
     st.stop()
+
+
+def warn_if_exposed() -> None:
+    """Say so when the server listens beyond this machine (`kvrag demo` and the script's config bind 127.0.0.1)."""
+    address = st.get_option("server.address")
+    if address and not is_loopback_host(str(address)):
+        st.warning(
+            f"This demo is served on {plain_label(str(address), 60)}, not only on this machine: anyone who can reach it "
+            "can run the model and add documents. Use `kvrag demo` or --server.address 127.0.0.1 to keep it local."
+        )
 
 
 def main() -> None:
@@ -518,15 +303,17 @@ def main() -> None:
         "Each retrieved chunk's KV cache was computed once and stored; a method stitches the cached chunks "
         "together and recomputes only a few tokens. Full Attention reads every chunk again, for comparison."
     )
+    warn_if_exposed()
     folder = data_dir()
     settings = sidebar_settings(folder)
     rag = open_or_stop(settings)
     index = open_index(str(folder))
-    ensure_ingested(rag, index, folder)
+    ensure_ingested(rag, index, folder, warm_methods=(BASELINE, "reuse", DEFAULT_METHOD))
 
     st.sidebar.header("Add documents")
     files = st.sidebar.file_uploader(
-        f".txt or .md, UTF-8, up to {MAX_UPLOAD_BYTES // 1_000_000} MB each ({MAX_UPLOAD_FILES} files at most)",
+        f".txt or .md, UTF-8, up to {MAX_UPLOAD_BYTES // 1_000_000} MB and {MAX_UPLOAD_TOKENS:,} tokens each "
+        f"({MAX_UPLOAD_FILES} files at most)",
         type=["txt", "md"],
         accept_multiple_files=True,
         max_upload_size=max(1, MAX_UPLOAD_BYTES // 1_000_000),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from typing import Sequence
 from pathlib import Path
 
-__all__ = ["app_path", "launch", "streamlit_command"]
+__all__ = ["app_path", "launch", "launch_env", "streamlit_command"]
 
 
 def app_path() -> Path:
@@ -29,9 +31,30 @@ def streamlit_command(port: int = 8501, address: str = "127.0.0.1", headless: bo
     ]
 
 
-def launch(port: int = 8501, address: str = "127.0.0.1", headless: bool = True, extra: list[str] | None = None) -> int:
-    """Run the demo until it exits (Ctrl-C stops it) and return Streamlit's exit code."""
-    proc = subprocess.Popen(streamlit_command(port, address, headless, extra))
+def launch_env(allow_store_hosts: Sequence[str] = (), base: dict[str, str] | None = None) -> dict[str, str]:
+    """The demo's environment: `allow_store_hosts` (beyond loopback) become $KVRAG_DEMO_ALLOW_HOSTS."""
+    from kvrag.demo.stores import ALLOW_HOSTS_ENV
+
+    env = dict(os.environ if base is None else base)
+    hosts = [h.strip() for h in allow_store_hosts if h and h.strip()]
+    if any("," in h or any(c.isspace() for c in h) for h in hosts):
+        raise ValueError(f"store hosts are single names or addresses, got {hosts}")
+    if hosts:
+        env[ALLOW_HOSTS_ENV] = ",".join(hosts)
+    return env
+
+
+def launch(
+    port: int = 8501,
+    address: str = "127.0.0.1",
+    headless: bool = True,
+    extra: list[str] | None = None,
+    allow_store_hosts: Sequence[str] = (),
+) -> int:
+    """Run the demo until it exits (Ctrl-C stops it) and return Streamlit's exit code.
+
+    `allow_store_hosts`: hosts besides loopback whose Redis the page may open (`kvrag demo --allow-store-host`)."""
+    proc = subprocess.Popen(streamlit_command(port, address, headless, extra), env=launch_env(allow_store_hosts))
     try:
         return proc.wait()
     except KeyboardInterrupt:  # Streamlit got the same SIGINT: let it shut down cleanly

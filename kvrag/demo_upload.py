@@ -13,7 +13,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag.documents import chunk_id, load_documents
+from typing import Any
+
+from kvrag.documents import DEFAULT_MAX_CHUNK_TOKENS, chunk_id, load_documents, text_or_raise
 from kvrag.types import Chunk
 
 __all__ = [
@@ -64,18 +66,23 @@ def _suffix_of(name: str) -> str:
 def validate_upload(name: str, data: bytes, max_bytes: int = MAX_UPLOAD_BYTES) -> ValidUpload:
     """Accept `data` only if it is a non-empty, UTF-8 text .txt/.md file of at most `max_bytes`.
 
-    Size is checked before decoding so a huge upload costs nothing; NUL bytes are refused
-    because they mean a binary file that happens to decode.
+    Size is checked before decoding so a huge upload costs nothing; NUL bytes and a high share
+    of control characters are refused because they mean a binary file that happens to decode
+    (the same test `kvrag ingest` applies: `kvrag.documents.is_text`).
     """
     suffix = _suffix_of(name)
     if len(data) > max_bytes:
         raise UploadError(f"the file is too big: {len(data):,} bytes, the limit is {max_bytes:,} bytes")
+    if b"\x00" in data:
+        raise UploadError("the file looks binary (it contains NUL bytes); only plain text is accepted")
     try:
-        text = data.decode("utf-8-sig")
+        data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise UploadError("the file is not UTF-8 text; save it as UTF-8 and upload it again") from None
-    if "\x00" in text:
-        raise UploadError("the file looks binary (it contains NUL bytes); only plain text is accepted")
+    try:
+        text = text_or_raise(data, "the file")
+    except ValueError:
+        raise UploadError("the file looks binary (too many control characters); only plain text is accepted") from None
     if not text.strip():
         raise UploadError("the file is empty")
     return ValidUpload(text=text, suffix=suffix, digest=hashlib.sha256(data).hexdigest())
@@ -107,13 +114,18 @@ def _untitled(chunk: Chunk, stem: str, digest: str) -> Chunk:
     return Chunk(id=chunk_id(title, chunk.text), text=chunk.text, title=title, metadata={"source": f"{UPLOAD_SOURCE}:{digest[:12]}"})
 
 
-def upload_chunks(path: str | os.PathLike[str], max_words: int = 120) -> list[Chunk]:
-    """Chunks of a saved upload, with the same ids whether read now or re-read at the next start."""
+def upload_chunks(
+    path: str | os.PathLike[str], max_words: int = 120, max_tokens: int | None = DEFAULT_MAX_CHUNK_TOKENS, tokenizer: Any = None
+) -> list[Chunk]:
+    """Chunks of a saved upload, with the same ids whether read now or re-read at the next start
+    (with the same limits: at most `max_words` words and `max_tokens` tokens by `tokenizer` each)."""
     p = Path(path)
-    return [_untitled(c, p.stem, p.stem) for c in load_documents([p], max_words=max_words)]
+    return [_untitled(c, p.stem, p.stem) for c in load_documents([p], max_words=max_words, max_tokens=max_tokens, tokenizer=tokenizer)]
 
 
-def load_uploads(folder: str | os.PathLike[str], max_words: int = 120) -> list[Chunk]:
+def load_uploads(
+    folder: str | os.PathLike[str], max_words: int = 120, max_tokens: int | None = DEFAULT_MAX_CHUNK_TOKENS, tokenizer: Any = None
+) -> list[Chunk]:
     """Chunks of every upload saved in `folder` (none if it does not exist yet)."""
     root = Path(folder)
     if not root.is_dir():
@@ -121,5 +133,5 @@ def load_uploads(folder: str | os.PathLike[str], max_words: int = 120) -> list[C
     chunks: list[Chunk] = []
     for p in sorted(root.iterdir()):
         if p.is_file() and p.suffix in ALLOWED_SUFFIXES and not p.name.startswith("."):
-            chunks.extend(upload_chunks(p, max_words))
+            chunks.extend(upload_chunks(p, max_words, max_tokens, tokenizer))
     return chunks

@@ -233,3 +233,114 @@ def test_real_eval_file_rows(tmp_path: Path) -> None:
     expected = {(c["title"], " ".join(c["text"].split())) for r in rows for c in r["ctxs"]}
     assert {(c.title, " ".join(c.text.split())) for c in chunks} == expected
     assert len(chunks) == len(expected)
+
+
+# --- token caps (issue #18) -------------------------------------------------------------------
+
+
+class _ByteTokenizer:
+    """One token per UTF-8 byte (the worst case of a byte-level BPE), HF-style call and encode."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def test_a_run_without_spaces_is_split_to_the_token_cap() -> None:
+    from kvrag.documents import split_text
+
+    text = "x" * 100_000  # one "word": the word splitter alone gives one 100k-token chunk
+    chunks = split_text(text, max_words=120, max_tokens=256, tokenizer=_ByteTokenizer())
+    assert all(1 <= len(c.encode()) <= 256 for c in chunks)
+    assert "".join(chunks) == text
+
+
+def test_long_words_text_is_capped_with_a_tokenizer_and_keeps_every_word() -> None:
+    from kvrag.documents import split_text
+
+    words = [f"{'w' * 30}{i}" for i in range(400)]  # 120 words of ~33 bytes: ~4k tokens per chunk
+    chunks = split_text(" ".join(words), max_words=120, max_tokens=256, tokenizer=_ByteTokenizer())
+    assert all(len(c.encode()) <= 256 for c in chunks)
+    assert _words(chunks) == words
+
+
+def test_without_a_tokenizer_a_byte_bound_caps_chunks() -> None:
+    from kvrag.documents import BYTES_PER_TOKEN_BOUND, split_text
+
+    text = "\u4e2d" * 50_000  # no spaces, 3 bytes per character
+    chunks = split_text(text, max_tokens=256)
+    assert all(len(c.encode()) <= 256 * BYTES_PER_TOKEN_BOUND for c in chunks)
+    assert "".join(chunks) == text
+
+
+def test_ordinary_text_keeps_its_chunks_and_ids_under_the_cap(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("First paragraph here.\n\nSecond one.\n", encoding="utf-8")
+    assert [c.id for c in load_documents([f], tokenizer=_ByteTokenizer())] == [c.id for c in load_documents([f])]
+
+
+def test_load_documents_caps_tokens_per_chunk(tmp_path: Path) -> None:
+    f = tmp_path / "blob.txt"
+    rng = random.Random(0)
+    text = "".join(rng.choice("abcdef") for _ in range(20_000))  # no spaces, no repeated chunks
+    f.write_text(text, encoding="utf-8")
+    chunks = load_documents([f], max_tokens=100, tokenizer=_ByteTokenizer())
+    assert len(chunks) == 200 and all(len(c.text) <= 100 for c in chunks)
+    assert "".join(c.text for c in chunks) == text
+
+
+def test_check_chunk_lengths_refuses_a_chunk_longer_than_the_context() -> None:
+    from kvrag.documents import check_chunk_lengths
+    from kvrag.errors import ContextTooLongError
+    from kvrag.types import Chunk
+
+    ok = Chunk(id="ok", text="short")
+    check_chunk_lengths([ok], _ByteTokenizer(), max_tokens=10)
+    with pytest.raises(ContextTooLongError, match=r"'big'.*12 tokens.*10"):
+        check_chunk_lengths([ok, Chunk(id="big", text="x" * 12)], _ByteTokenizer(), max_tokens=10)
+
+
+# --- binary content (issue #18) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256)) * 60,  # a program binary
+        b"text with a NUL\x00 in it",
+        "caf\u00e9 cr\u00e8me br\u00fbl\u00e9e".encode("latin-1"),  # not UTF-8
+        ("ok " + "\x01\x02\x03\x04\x05" * 20) .encode(),  # mostly control characters
+    ],
+)
+@pytest.mark.parametrize("suffix", [".txt", ".md", ".jsonl"])
+def test_binary_content_is_refused_naming_the_file(tmp_path: Path, data: bytes, suffix: str) -> None:
+    from kvrag.documents import NotTextError
+
+    f = tmp_path / f"program{suffix}"
+    f.write_bytes(data)
+    with pytest.raises(NotTextError, match=r"program\.") as info:
+        load_documents([f])
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(NotTextError):
+        load_documents([tmp_path])  # inside a folder too
+
+
+def test_is_text_accepts_real_text() -> None:
+    from kvrag.documents import is_text
+
+    assert is_text("Tabs\tand\r\nnewlines, caf\u00e9, \u4e2d\u6587, form\x0cfeed.".encode())
+    assert is_text(b"")
+    assert not is_text(b"\x00")
+
+
+def test_document_chunk_ids_are_the_ids_ingest_gives(tmp_path: Path) -> None:
+    from kvrag.documents import document_chunk_ids
+
+    f = tmp_path / "doc.md"
+    f.write_text("# A\n\nalpha text\n\n# B\n\nbeta text\n", encoding="utf-8")
+    (tmp_path / "other.txt").write_text("other text", encoding="utf-8")
+    ids = document_chunk_ids(f)
+    assert ids == [c.id for c in load_documents([f])] and len(ids) == 2
+    assert set(ids).isdisjoint(c.id for c in load_documents([tmp_path / "other.txt"]))
