@@ -13,10 +13,22 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from kvrag.documents import DEFAULT_MAX_CHUNK_TOKENS
 from kvrag.errors import KVRagError
 from kvrag.samples import sample_corpus_dir, sample_questions
 
 DEFAULT_K = 5
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _quiet_libraries() -> None:
@@ -49,15 +61,22 @@ def _parser() -> argparse.ArgumentParser:
     ing = sub.add_parser("ingest", help="split files into chunks, index them and precompute their KV")
     _common(ing)
     ing.add_argument("paths", nargs="+", help=".txt/.md/.jsonl files or folders")
-    ing.add_argument("--max-words", type=int, default=120, help="target chunk size in words")
-    ing.add_argument("--batch-size", type=int, default=8)
+    ing.add_argument("--max-words", type=int, default=120, help="target chunk size in words (default 120)")
+    ing.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_CHUNK_TOKENS,
+                     help=f"hard cap on a chunk's tokens (default {DEFAULT_MAX_CHUNK_TOKENS})")
+    ing.add_argument("--batch-size", type=_positive, default=8, help="chunks per forward pass (default 8)")
+
+    rm = sub.add_parser("remove", help="remove ingested documents: their chunks from the index and their KV from the store",
+                        epilog="example: kvrag remove notes.md")
+    _common(rm)
+    rm.add_argument("paths", nargs="+", help="files given to `kvrag ingest` (as they were given)")
 
     ask = sub.add_parser("ask", help="answer a question from the ingested chunks")
     _common(ask)
     ask.add_argument("question")
     ask.add_argument("--method", default="reuse", help="full, reuse, ... (see `kvrag methods`)")
     ask.add_argument("--recompute-ratio", type=float, default=0.15)
-    ask.add_argument("-k", "--top-k", type=int, default=DEFAULT_K, help="chunks to retrieve")
+    ask.add_argument("-k", "--top-k", type=_positive, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--json", action="store_true", help="print answer and stats as one JSON object")
@@ -110,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the Streamlit demo: ask, compare with Full Attention, see what was recomputed")
     demo.add_argument("--port", type=int, default=8501)
     demo.add_argument("--address", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
+    demo.add_argument("--allow-store-host", action="append", default=[], metavar="HOST",
+                      help="a non-loopback Redis host the demo's store box may use (repeatable; default: loopback only)")
 
     dv = sub.add_parser("bench-deviation", help="KV deviation from Full Attention: plain vs similarity-guided entries")
     dv.add_argument("--data", required=True)
@@ -144,11 +165,14 @@ def _home() -> Path:
 def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.documents import load_documents
 
-    chunks = load_documents(args.paths, max_words=args.max_words)
+    for path in args.paths:
+        if not Path(path).exists():
+            raise KVRagError(f"no such file or folder: {path}")
+    rag, index = _open(args)
+    chunks = load_documents(args.paths, max_words=args.max_words, max_tokens=args.max_tokens, tokenizer=rag.lm.tokenizer)
     if not chunks:
         print("no text found in the given paths", file=sys.stderr)
         return 1
-    rag, index = _open(args)
     index.add(chunks)
     report = rag.precompute(chunks, batch_size=args.batch_size, progress=True)
     print(
@@ -156,7 +180,26 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         f"{report.tokens} tokens) in {report.seconds:.1f}s; store {rag.store.url}",
         file=sys.stderr,
     )
+    if report.not_stored:
+        print(
+            f"kvrag: error: the KV of {len(report.not_stored)} of {report.computed} computed chunks was not stored "
+            f"(is the store at {rag.store.url} reachable?); they will be computed at question time. "
+            f"First ids: {', '.join(report.not_stored[:5])}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    rag, index = _open(args)
+    removed = 0
+    for path in args.paths:
+        gone = index.remove(source=str(path))
+        deleted = rag.forget(gone)
+        removed += len(gone)
+        print(f"{path}: {len(gone)} chunks removed from the index, {deleted} KV entries deleted", file=sys.stderr)
+    return 0 if removed else 1
 
 
 def _retrieve(index, question: str, k: int):
@@ -171,8 +214,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.evict import SnapKV
     from kvrag.eval.runner import parse_method
 
-    chunks = _retrieve(index, args.question, args.top_k)
+    from kvrag.methods import get_method
+
     _, params = parse_method("m:" + ",".join(args.param))
+    try:
+        get_method(args.method, **dict(params))  # a mistyped method or parameter fails before any work
+    except TypeError as exc:
+        raise KVRagError(str(exc)) from None
+    chunks = _retrieve(index, args.question, args.top_k)
     stream = rag.stream(
         args.question,
         chunks=chunks,
@@ -245,7 +294,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvrag.demo_launch import launch
 
     print(f"kvrag demo on http://{args.address}:{args.port} (Ctrl-C stops it)", file=sys.stderr)
-    return launch(port=args.port, address=args.address)
+    return launch(port=args.port, address=args.address, allow_store_hosts=args.allow_store_host or None)
 
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
@@ -268,6 +317,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "train-links": cmd_train_links,
     "ingest": cmd_ingest,
+    "remove": cmd_remove,
     "ask": cmd_ask,
     "quickstart": cmd_quickstart,
     "methods": cmd_methods,

@@ -99,6 +99,10 @@ class KVRagCore:
     def chunk(self, chunk_id: str) -> Chunk:
         return self.repo.chunk(chunk_id)
 
+    def forget(self, chunks: Sequence[Chunk]) -> int:
+        """Remove chunks: from the registry and their KV from the store (returns entries deleted)."""
+        return self.repo.forget(chunks)
+
     # -- answering --------------------------------------------------------------------------------
     def prefill(
         self,

@@ -35,6 +35,9 @@ class GuardedStore:
     def contains(self, key: str) -> bool:
         return bool(self._call("contains", key, default=False))
 
+    def delete(self, key: str) -> None:
+        self._call("delete", key, default=None)
+
     def link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
         self._call("link", list(user_ids), list(keys), default=None)
 

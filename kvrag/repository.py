@@ -18,7 +18,7 @@ import torch
 from kvrag.cache_backends import KVEntry, KVStore, content_key
 from kvrag.cache_backends.format import FORMAT_VERSION
 from kvrag.entry_check import entry_problem
-from kvrag.errors import ChunkNotFoundError, EmptyRetrievalError
+from kvrag.errors import ChunkNotFoundError, ContextTooLongError, EmptyRetrievalError
 from kvrag.guarded_store import GuardedStore
 from kvrag.layout import PromptLayout
 from kvrag.model import LoadedModel
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # What a key is made of beyond the tokens: bump KEY_SCHEMA when the meaning of an entry changes.
 KEY_SCHEMA = "kvrag-key-2"
+QUESTION_ROOM = 64  # tokens kept free for a question when checking that a chunk fits the context
 
 
 @dataclass
@@ -42,6 +43,7 @@ class PrecomputeReport:
     already_cached: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    not_stored: list[str] = field(default_factory=list)  # ids computed but not in the store afterwards (store down?)
 
 
 @dataclass
@@ -141,6 +143,20 @@ class KVRepository:
         if chunks:
             self.guarded.link([f"{self.namespace}/{c.id}" for c in chunks], self.resolve(chunks).keys)
 
+    def forget(self, chunks: Sequence[Chunk]) -> int:
+        """Drop these chunks from the registry and delete their plain KV entries; returns entries deleted."""
+        deleted = 0
+        for c in chunks:
+            with self._registry_lock:
+                self.chunks.pop(c.id, None)
+                self.similarity_context.pop(c.id, None)
+            if c.text.strip():
+                key = self.key(KIND_CHUNK, self.layout.chunk_ids(c))
+                if self.guarded.contains(key):
+                    self.guarded.delete(key)
+                    deleted += 1
+        return deleted
+
     def chunk(self, chunk_id: str) -> Chunk:
         try:
             return self.chunks[chunk_id]
@@ -237,11 +253,23 @@ class KVRepository:
         missing = [i for i, k in enumerate(resolved.keys) if not self.guarded.contains(k)]
         report.already_cached = len(resolved.chunks) - len(missing)
         if missing:
+            self._check_fits([resolved.chunks[i] for i in missing], [resolved.token_ids[i] for i in missing])
             self.compute_and_store(resolved, missing, batch_size, progress, kind, [context[i] for i in missing] if context else None)
+            report.not_stored = [resolved.chunks[i].id for i in missing if not self.guarded.contains(resolved.keys[i])]
             report.computed = len(missing)
             report.tokens = sum(len(resolved.token_ids[i]) for i in missing)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _check_fits(self, chunks: Sequence[Chunk], token_ids: Sequence[Sequence[int]]) -> None:
+        """A chunk longer than the model's context (less the prefix and room for a question) is refused before any compute."""
+        room = self.lm.max_context - len(self.layout.prefix_ids) - QUESTION_ROOM
+        for c, ids in zip(chunks, token_ids):
+            if len(ids) > room:
+                raise ContextTooLongError(
+                    f"chunk {c.id!r} has {len(ids)} tokens but at most {room} fit in the model's context with a question: "
+                    "split it into smaller chunks (kvrag.documents caps chunks at 256 tokens by default)"
+                )
 
     def _neighbour_context(
         self, chunks: list[Chunk], neighbours: Mapping[str, Sequence[str]] | None, top_n: int, index: Any

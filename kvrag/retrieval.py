@@ -146,6 +146,18 @@ class ChunkIndex:
         found = {i: _to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas)}
         return [found[i] for i in wanted if i in found]
 
+    def remove(self, ids: Sequence[str] = (), source: str | None = None) -> list[Chunk]:
+        """Delete chunks by id and/or every chunk whose metadata `source` is this path; returns what was deleted."""
+        gone = self.get(ids) if ids else []
+        if source is not None:
+            result = self._collection.get(where={"source": source}, include=["documents", "metadatas"])
+            docs = result.get("documents") or [None] * len(result["ids"])
+            metas = result.get("metadatas") or [None] * len(result["ids"])
+            gone += [_to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas) if i not in {c.id for c in gone}]
+        if gone:
+            self._collection.delete(ids=[c.id for c in gone])
+        return gone
+
     def __len__(self) -> int:
         return self._collection.count()
 
