@@ -38,14 +38,17 @@ FLOORS: dict[torch.dtype, dict[str, float]] = {
 # Reuse may land this many times further from Full Attention than Full Attention lands from fp32.
 # Two independent half-precision computations of the same value differ by ~sqrt(2) x the noise of
 # either, and a reused key is rounded twice more (stored RoPE-free, re-rotated): measured ratios
-# (reuse error / noise) are 0.6 .. 1.6 on random models of 3..32 layers in bf16 and fp16 (see
-# tests/test_gate_noise.py and the table in kvrag/check.py); 3 leaves ~2x headroom above the worst
-# of those and stays below every planted defect measured.
+# (reuse error / noise, worst check) are 0.66 .. 1.26 on random llama/qwen2 models of 3..32 layers
+# in bf16 and fp16 (`python tests/test_gate_noise.py`); 3 leaves >2x headroom above the worst of
+# those, and every planted defect measured lands far above it (tests/test_gate_noise.py).
 MULTIPLE = 3.0
 
-# Beyond this a tolerance says nothing (a key rotated one position off measures 3e-1): the model's
-# own half-precision computation is too far from fp32 for the gate to tell reuse from a defect.
-CEILING = 0.15
+# Beyond this a tolerance says nothing: the model's own half-precision computation is more than
+# CEILING / MULTIPLE (~17%) away from fp32, so the gate cannot tell reuse from a defect and refuses.
+# Not lower: deep random-weight models' own bf16 logits sit 4e-2 (24 layers, CPU) .. ~7e-2 (8B shape,
+# H100) from fp32, so their tolerance reaches 0.1 .. 0.2. Key defects are still caught on the early
+# layers, whose noise stays ~4e-3 (each layer is judged by its own noise).
+CEILING = 0.5
 
 
 def tolerance(noise: float, dtype: torch.dtype, kind: str) -> float:
