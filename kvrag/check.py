@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from kvrag.check_noise import CEILING, FLOORS, MULTIPLE, reference_keys, reference_logits
-from kvrag.check_noise import tolerance as noise_tolerance
+from kvrag.check_noise import FLOORS, MULTIPLE, describe, judge, reference_keys, reference_logits
 from kvrag.errors import UnsupportedModelError
 from kvrag.model import (
     LoadedModel,
@@ -250,25 +249,11 @@ def _static_rows(lm: LoadedModel, prompt_tokens: int) -> list[CheckRow]:
 
 # -- numeric checks ---------------------------------------------------------------------------
 def _judge(name: str, errs: list[float], noises: list[float] | None, dtype: torch.dtype, kind: str, note: str) -> CheckRow:
-    """One row from per-part errors (a layer's keys; the logits) and the model's own noise on each part.
-
-    Each part is judged by its own tolerance, max(MULTIPLE * noise, floor) (so an early layer's small
-    noise keeps its check strict); the row reports the part closest to (or furthest past) its tolerance.
-    `noises` None: the noise could not be measured, the fixed TOLERANCES apply.
-    """
-    if noises is None:
-        tols = [TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])[kind]] * len(errs)
-    else:
-        tols = [noise_tolerance(n, dtype, kind) for n in noises]
-    ratio = [e / t if math.isfinite(e) else math.inf for e, t in zip(errs, tols)]
-    i = max(range(len(errs)), key=lambda j: ratio[j])
-    where = f"; worst at layer {i}" if len(errs) > 1 else ""
-    row = CheckRow(name, ratio[i] <= 1.0, errs[i], tols[i], note + where,
-                   None if noises is None else noises[i], None if noises is None else MULTIPLE)
-    if noises is not None and any(t > CEILING for t in tols):
-        row.passed = False
-        row.message += f"; the model's own {str(dtype).removeprefix('torch.')} noise is too large to verify reuse (tolerance > {CEILING:g})"
-    return row
+    """One row from per-part errors (a layer's keys; the logits), each judged against its own noise
+    (`check_noise.judge`); `noises` None: not measurable, the fixed TOLERANCES apply."""
+    v = judge(errs, noises, dtype, kind, TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])[kind])
+    where = f"; worst at layer {v.index}" if len(errs) > 1 else ""
+    return CheckRow(name, v.passed, v.error, v.tolerance, note + where + v.remark, v.noise, v.multiple)
 
 
 def _noise(fn: Any) -> list[float] | None:
@@ -347,13 +332,6 @@ def _numeric_rows(lm: LoadedModel, rag: Any) -> list[CheckRow]:
     return rows
 
 
-def _reference(lm: LoadedModel) -> str:
-    dt = str(lm.dtype).removeprefix("torch.")
-    if lm.dtype == torch.float32:
-        return "0 in float32 (the model is its own fp32 reference), so tolerance = floor"
-    return f"the same computation in {dt} vs in fp32 on the same weights (layer by layer); x = {MULTIPLE:g}, floor {_num(FLOORS.get(lm.dtype, FLOORS[torch.bfloat16])['keys'])}"
-
-
 # -- entry points -----------------------------------------------------------------------------
 def _as_loaded(lm_or_model: Any, device: Any, dtype: Any, tokenizer: Any) -> LoadedModel:
     """A LoadedModel on the asked device/dtype (None or "auto" keep a given model's own)."""
@@ -400,8 +378,10 @@ def run_checks(lm: LoadedModel) -> CheckReport:
         except Exception as exc:
             report.rows.append(CheckRow("re-rotated keys", False, message="precompute failed: " + _short(exc)))
         else:
-            report.rows += _numeric_rows(lm, rag)
-            report.reference = _reference(lm)
+            numeric = _numeric_rows(lm, rag)
+            report.rows += numeric
+            unmeasured = any(r.error is not None and r.noise is None for r in numeric)
+            report.reference = "not measured (the fp32 reference pass failed): fixed tolerances" if unmeasured else describe(lm.dtype)
     done = {r.name for r in report.rows}
     report.rows += [CheckRow(n, None, message="skipped") for n in ROWS if n not in done]
     partial = next((r for r in report.rows if r.name == "partial rotary" and r.message != "none"), None)
@@ -563,4 +543,4 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["CheckReport", "CheckRow", "TOLERANCES", "add_check_model_parser", "check_model", "cmd_check_model", "gate", "run_checks", "verdict_path"]
+__all__ = ["FLOORS", "MULTIPLE", "CheckReport", "CheckRow", "TOLERANCES", "add_check_model_parser", "check_model", "cmd_check_model", "gate", "run_checks", "verdict_path"]

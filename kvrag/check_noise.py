@@ -19,7 +19,8 @@ floor (1e-4, as before).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import math
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -55,6 +56,41 @@ def tolerance(noise: float, dtype: torch.dtype, kind: str) -> float:
     """max(MULTIPLE * noise, floor): the tolerance a check of `kind` ("keys"/"logits") is judged by."""
     floor = FLOORS.get(dtype, FLOORS[torch.bfloat16])[kind]
     return max(MULTIPLE * noise, floor)
+
+
+class Judged(NamedTuple):
+    index: int  # the part (layer) closest to, or furthest past, its tolerance
+    passed: bool
+    error: float
+    tolerance: float
+    noise: float | None
+    multiple: float | None
+    remark: str
+
+
+def judge(errs: list[float], noises: list[float] | None, dtype: torch.dtype, kind: str, fixed: float) -> Judged:
+    """Judge each part (a layer's keys, or the logits) by its own tolerance, max(MULTIPLE * noise, floor),
+    so a quiet early layer keeps its check strict on a deep model; report the worst part.
+
+    `noises` None: the noise could not be measured, every part is judged by the `fixed` tolerance.
+    """
+    tols = [fixed] * len(errs) if noises is None else [tolerance(n, dtype, kind) for n in noises]
+    ratio = [e / t if math.isfinite(e) else math.inf for e, t in zip(errs, tols)]
+    i = max(range(len(errs)), key=lambda j: ratio[j])
+    passed, remark = ratio[i] <= 1.0, ""
+    if noises is not None and max(tols) > CEILING:
+        passed = False
+        remark = f"; the model's own {str(dtype).removeprefix('torch.')} noise is too large to verify reuse (tolerance > {CEILING:g})"
+    return Judged(i, passed, errs[i], tols[i], None if noises is None else noises[i], None if noises is None else MULTIPLE, remark)
+
+
+def describe(dtype: torch.dtype) -> str:
+    """What a report's noise column was measured against (printed under the table, kept in the verdict)."""
+    if dtype == torch.float32:
+        return "0 in float32 (the model is its own fp32 reference), so tolerance = floor"
+    floor = FLOORS.get(dtype, FLOORS[torch.bfloat16])["keys"]
+    return (f"the same computation in {str(dtype).removeprefix('torch.')} vs in fp32 on the same weights "
+            f"(layer by layer); x = {MULTIPLE:g}, floor {floor:.1e}")
 
 
 def _float_tree(x: Any, dtype: torch.dtype) -> Any:
@@ -131,4 +167,4 @@ def reference_logits(model: Any, ids: list[int], device: Any) -> torch.Tensor:
     return out.logits[0, -1].float()
 
 
-__all__ = ["CEILING", "FLOORS", "MULTIPLE", "fp32_reference", "reference_keys", "reference_logits", "tolerance"]
+__all__ = ["CEILING", "FLOORS", "MULTIPLE", "Judged", "describe", "fp32_reference", "judge", "reference_keys", "reference_logits", "tolerance"]

@@ -93,6 +93,7 @@ def test_noise_floor_unmeasurable_falls_back_to_the_fixed_tolerances(monkeypatch
         row = report.row(name)
         assert row.noise is None and row.multiple is None
         assert row.tolerance == TOLERANCES[torch.bfloat16]["keys" if name == "re-rotated keys" else "logits"]
+    assert "not measured" in report.reference
 
 
 def test_the_verdict_and_the_table_record_noise_multiple_and_tolerance(home):
@@ -154,6 +155,30 @@ def test_planted_defects_fail_the_gate(deep, dtype, defect, monkeypatch):
     assert not report.passed
     keys = report.row("re-rotated keys")
     assert keys.passed is False and keys.error > 2 * keys.tolerance, report.table()
+
+
+# -- a deep, noisy model: refused by the old fixed tolerance, passed by the measured one -----------
+@pytest.fixture(scope="module")
+def noisy():
+    """24 layers, init 0.1: its own bf16 logits land ~7e-2 from fp32 (the 8B shape's regime on an H100)."""
+    return from_model(deep_model(24, init=0.1), tiny_tokenizer())
+
+
+def test_a_deep_bf16_model_the_fixed_tolerance_refused_now_passes(noisy):
+    report = check_model(noisy, dtype="bfloat16")
+    print("\n" + report.table())
+    assert report.passed, report.table()
+    reuse = report.row("reuse = full (1 chunk)")
+    assert reuse.error > TOLERANCES[torch.bfloat16]["logits"]  # the old gate refused this model (measured 5.3e-2 > 3e-2)
+    assert reuse.noise > 2 * TOLERANCES[torch.bfloat16]["logits"]  # because its own bf16 noise is that large (7.3e-2)
+    assert reuse.error <= reuse.tolerance == pytest.approx(noise.MULTIPLE * reuse.noise)
+
+
+def test_a_deep_noisy_model_still_fails_a_planted_key_defect(noisy, monkeypatch):
+    _scaled_keys(monkeypatch)  # 5% off: the early layers' own noise (~4e-3) keeps the key check strict
+    report = check_model(noisy, dtype="bfloat16")
+    keys = report.row("re-rotated keys")
+    assert not report.passed and keys.passed is False and keys.error > 3 * keys.tolerance, report.table()
 
 
 # -- measurement table (python tests/test_gate_noise.py) -----------------------------------------
