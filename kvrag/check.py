@@ -12,6 +12,10 @@ paths (precompute -> store -> stitch -> recompute), with a tiny prompt:
 3. recompute 1.0 = full (2 chunks): the shared recompute pass with every chunk token selected
    gives Full Attention's logits.
 
+Each numeric check is judged against the model's own noise: the same computation in the model's
+dtype vs in fp32 on the same weights (kvrag/check_noise.py), times MULTIPLE, above a per-dtype floor
+(fp32: noise 0, tolerance 1e-4). The report and the cached verdict keep noise, multiple, tolerance.
+
 Static pre-checks come first (RoPE present, its variant, partial rotary, sliding windows,
 attention sinks). A failure raises `UnsupportedModelError` naming the failing check(s), never a
 silently wrong answer. `gate()` runs it once per model fingerprint and device type and keeps the
