@@ -42,3 +42,23 @@ def test_rope_free_key_rerotated_equals_key_computed_there(arch, rope):
         assert (moved - kb).abs().max().item() <= 1e-5
     # and the check can fail: without the re-rotation the keys differ
     assert (at_a[0] - at_b[0]).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keys_are_rotated_in_fp32_and_rounded_once(dtype):
+    """rotate/unrotate of bf16/fp16 keys = the fp32 rotation of the same values, rounded once at the end."""
+    rot = Rotary(tiny_model("llama", rope_scaling=LLAMA3_ROPE))
+    k = torch.randn(3, 2, 50, 16).to(dtype)
+    pos = torch.arange(1000, 1050)
+    assert torch.equal(rot.rotate(k, pos), rot.rotate(k.float(), pos).to(dtype))
+    assert torch.equal(rot.unrotate(k, pos), rot.unrotate(k.float(), pos).to(dtype))
+    out = torch.empty_like(k)
+    assert rot.rotate(k, pos, out=out) is out and torch.equal(out, rot.rotate(k.float(), pos).to(dtype))
+
+
+def test_fp32_fast_path_is_kept_and_bit_equal_to_the_models_own_rotation():
+    rot = Rotary(tiny_model("qwen3", rope_scaling=LLAMA3_ROPE))
+    assert rot._half_split  # verified bit-equal at construction
+    k = torch.randn(2, 2, 30, 16)
+    cos, sin = rot.cos_sin(torch.arange(500, 530), k)
+    assert torch.equal(rot.rotate(k, torch.arange(500, 530)), rot._apply(rot._probe_q(k), k, cos, sin)[1])
