@@ -80,9 +80,39 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _events(state: ServerState, stream: AnswerStream, slot: Slot, req_id: str, created: int, max_new: int) -> AsyncIterator[str]:
-    """OpenAI's chunk stream. The slot is released in `finally`: when the client disconnects, the
-    server cancels this generator and the next request starts (after at most one more token)."""
+class _Finish:
+    """Release the slot and count the answer, once, from whichever path ends the request first."""
+
+    def __init__(self, state: ServerState, slot: Slot, stream: AnswerStream) -> None:
+        self.state, self.slot, self.stream, self.done = state, slot, stream, False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.slot.release()
+            self.state.metrics.observe_answer(self.stream.stats)
+
+
+class _StreamingAnswer(StreamingResponse):
+    """A StreamingResponse that finishes its request however the response ends: a client that hung
+    up before the first chunk cancels the body before the generator ever starts (so its own
+    `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], finish: _Finish, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._finish = finish
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._finish()
+
+
+async def _events(state: ServerState, stream: AnswerStream, finish: _Finish, req_id: str, created: int, max_new: int) -> AsyncIterator[str]:
+    """OpenAI's chunk stream. The slot is released in `finally` (and by `_StreamingAnswer`): when the
+    client disconnects, the server cancels the body and the next request starts (after at most one
+    more token)."""
     model = state.model_name
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -105,8 +135,7 @@ async def _events(state: ServerState, stream: AnswerStream, slot: Slot, req_id: 
         err = as_api_error(exc)
         yield _sse(error_body(err.status, err.message, err.code))
     finally:
-        slot.release()
-        state.metrics.observe_answer(stream.stats)
+        finish()
 
 
 @router.post("/v1/chat/completions")
@@ -126,8 +155,10 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
         raise as_api_error(exc) if isinstance(exc, Exception) else exc
     req_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
-        return StreamingResponse(
-            _events(state, stream, slot, req_id, created, max_new),
+        finish = _Finish(state, slot, stream)
+        return _StreamingAnswer(
+            _events(state, stream, finish, req_id, created, max_new),
+            finish,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
