@@ -376,3 +376,18 @@ def test_non_loopback_bind_warns_about_authentication(rag, monkeypatch, capsys):
     assert "NO authentication" in capsys.readouterr().err
     serve(ServerSettings(), rag=rag)
     assert "NO authentication" not in capsys.readouterr().err and calls[1]["host"] == "127.0.0.1"
+
+
+def test_stream_via_server_mirrors_the_local_engine(live, rag):
+    from kvrag.options import AnswerOptions
+    from kvrag.server.client import stream_via_server
+
+    opts = AnswerOptions.from_kwargs(method="epic", recompute_ratio=0.3, max_new_tokens=5)
+    remote = stream_via_server(live.url, THREE_Q, chunks=THREE_CHUNKS[:2], options=opts)
+    stats = remote.stats  # the same object, filled at the end (integrations keep a reference early)
+    answer = remote.answer()
+    local = rag.stream(THREE_Q, chunks=THREE_CHUNKS[:2], options=opts).answer()
+    assert answer.text == local.text and stats is answer.stats
+    assert stats.method == "epic" and stats.recomputed_tokens == local.stats.recomputed_tokens
+    plain = stream_via_server(live.url, "Hello", options=opts).answer()
+    assert plain.stats.path == "plain" and plain.stats.generated_tokens >= 1

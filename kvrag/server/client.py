@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from kvrag.errors import KVRagError
-from kvrag.types import AnswerStats, Chunk
+from kvrag.options import AnswerOptions
+from kvrag.types import Answer, AnswerStats, Chunk
 
 
 class ServerError(KVRagError):
@@ -21,12 +22,17 @@ def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str
 
 
 def _call(url: str, path: str, method: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+    with _open(url, path, method, body, timeout) as resp:
+        return json.loads(resp.read().decode("utf-8"))
+
+
+def _open(url: str, path: str, method: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    """The open HTTP response; unreachable servers and error answers as ServerError."""
     full = url.rstrip("/") + path
     data = json.dumps(body).encode("utf-8") if body is not None else None
-    req = urllib.request.Request(full, data=data, method=method, headers={"Content-Type": "application/json", "Accept": "application/json"})
+    req = urllib.request.Request(full, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read().decode("utf-8"))
+        return urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
         raise ServerError(f"{full}: HTTP {exc.code}: {_message(exc)}") from None
     except urllib.error.URLError as exc:
@@ -106,3 +112,83 @@ def delete_via_server(url: str, chunk_id: str, timeout: float = 60.0) -> dict[st
 
 def health(url: str, timeout: float = 5.0) -> dict[str, Any]:
     return _call(url, "/health", "GET", None, timeout)
+
+
+def request_body(
+    text: str,
+    chunk_ids: Sequence[str] | None = None,
+    chunks: Sequence[Chunk] | None = None,
+    options: AnswerOptions | None = None,
+    stream: bool = False,
+) -> dict[str, Any]:
+    """The chat request for one question (with chunks) or one ready-made prompt (without), carrying
+    `options` as the local engine would read them. A lone user message reaches the engine untouched,
+    so a prompt built client-side (e.g. LangChain's `messages_to_prompt`) is read exactly as locally."""
+    opts = options or AnswerOptions()
+    if opts.evict is not None:
+        raise ValueError("evict= (SnapKV) is not available through the server")
+    method = opts.method if isinstance(opts.method, str) else opts.method.name
+    dec = opts.decode
+    body: dict[str, Any] = {
+        "model": "kvrag", "messages": [{"role": "user", "content": text}], "stream": stream,
+        "max_tokens": dec.max_new_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
+    }
+    if dec.stop:
+        body["stop"] = list(dec.stop)
+    if dec.seed is not None:
+        body["seed"] = dec.seed
+    ctx: dict[str, Any] = {"method": method, "recompute_ratio": opts.recompute_ratio, "kv_kind": opts.kv_kind,
+                           "params": dict(opts.method_params)}
+    if chunks is not None:
+        ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
+    elif chunk_ids is not None:
+        ctx["chunk_ids"] = list(chunk_ids)
+    body["kvrag"] = ctx
+    return body
+
+
+class RemoteStream:
+    """`AnswerStream`'s interface over a server's SSE answer: iterate for text pieces; `.stats` is the
+    same object throughout and is filled in place when the last chunk arrives."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout: float = 300.0) -> None:
+        self._resp = _open(url, "/v1/chat/completions", "POST", {**body, "stream": True}, timeout)
+        self.stats = AnswerStats()
+        self.chunk_ids = [c["id"] for c in body.get("kvrag", {}).get("chunks", ())] or list(body.get("kvrag", {}).get("chunk_ids", ()))
+        self.text = ""
+
+    def __iter__(self) -> Iterator[str]:
+        with self._resp as resp:
+            for raw in resp:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    raise ServerError(str(event["error"].get("message")))
+                if "kvrag_stats" in event:
+                    for k, v in stats_from_dict(event["kvrag_stats"]).__dict__.items():
+                        setattr(self.stats, k, v)
+                piece = event["choices"][0]["delta"].get("content") if event.get("choices") else None
+                if piece:
+                    self.text += piece
+                    yield piece
+
+    def answer(self) -> Answer:
+        for _ in self:
+            pass
+        return Answer(text=self.text.strip(), stats=self.stats, chunk_ids=self.chunk_ids)
+
+
+def stream_via_server(
+    url: str,
+    text: str,
+    chunk_ids: Sequence[str] | None = None,
+    *,
+    chunks: Sequence[Chunk] | None = None,
+    options: AnswerOptions | None = None,
+    timeout: float = 300.0,
+) -> RemoteStream:
+    """What `rag.stream(text, chunk_ids, chunks=..., options=...)` (with chunks) or
+    `rag.complete(text, options=...)` (without) return, answered by the server at `url`."""
+    return RemoteStream(url, request_body(text, chunk_ids, chunks, options), timeout)
