@@ -1,0 +1,58 @@
+"""`create_app(rag, settings)`: the FastAPI app around one engine (tests inject a tiny one)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from kvrag.engine import KVRag
+from kvrag.server import chat, chunks
+from kvrag.server.errors import install_error_handlers
+from kvrag.server.gate import RequestGate
+from kvrag.server.limits import LimitsAndCounts
+from kvrag.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvrag.server.settings import ServerSettings
+from kvrag.server.state import ServerState
+from kvrag.version import __version__
+
+
+def create_app(rag: KVRag, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `rag`: OpenAI-compatible chat, chunk ingest/delete, health and metrics."""
+    settings = settings or ServerSettings()
+    gate = RequestGate(settings.max_concurrency, settings.max_queue)
+    metrics = ServerMetrics(gate)
+    app = FastAPI(title="kvrag", version=__version__, description="RAG answers from cached per-chunk KV, OpenAI-compatible.")
+    app.state.kvrag = ServerState(rag=rag, settings=settings, gate=gate, metrics=metrics)
+    install_error_handlers(app)
+    app.include_router(chat.router)
+    app.include_router(chunks.router)
+    app.add_middleware(LimitsAndCounts, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, Any]:
+        """Liveness plus what a client wants to know: the model, the store, uptime, the queue."""
+        state: ServerState = request.app.state.kvrag
+        return {
+            "status": "ok",
+            "version": __version__,
+            "model": state.model_name,
+            "store": state.rag.store.url,
+            "uptime_s": round(time.time() - state.started, 3),
+            "queue": state.gate.as_dict(),
+            "chunks_registered": len(state.rag.repo.chunks),
+        }
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        return Response(request.app.state.kvrag.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        """OpenAI's model list (some clients call it first): the one model this server serves."""
+        state: ServerState = request.app.state.kvrag
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "kvrag"}]}
+
+    return app

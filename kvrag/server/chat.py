@@ -1,0 +1,183 @@
+"""`POST /v1/chat/completions`: OpenAI's chat completion, answered by the engine.
+
+With `kvrag.chunk_ids` / `kvrag.chunks` the last user message is answered from those chunks' cached
+KV; without, the messages become one prompt for `KVRag.complete` (plain chat). The engine's stats
+ride along as `kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvrag.pipeline import AnswerStream
+from kvrag.server.errors import as_api_error, error_body, log
+from kvrag.server.gate import Slot
+from kvrag.server.prompt import chat_prompt, question_of
+from kvrag.server.schemas import ChatRequest, answer_options, check_chunk_count, check_token_count
+from kvrag.server.state import ServerState, in_thread, pieces_async
+from kvrag.types import AnswerStats
+
+router = APIRouter()
+
+
+def _usage(stats: AnswerStats) -> dict[str, int]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def _finish_reason(stats: AnswerStats, max_new: int) -> str:
+    return "length" if stats.generated_tokens >= max_new else "stop"
+
+
+def _starter(state: ServerState, req: ChatRequest) -> Callable[[], AnswerStream]:
+    """The engine call that prefills this request (run later, in a worker thread, holding a slot).
+
+    It first checks the request's text against the token limit: the tokenizer runs in that thread
+    too, next to the engine's own tokenisation, never on the event loop.
+    """
+    opts = answer_options(req, state.settings)
+    rag, settings, ctx = state.rag, state.settings, req.kvrag
+    if ctx is not None and ctx.has_context:
+        if ctx.chunk_ids is not None and ctx.chunks is not None:
+            raise as_api_error(ValueError("kvrag: pass either chunk_ids or chunks, not both"))
+        check_chunk_count(len(ctx.chunk_ids or ctx.chunks or ()), settings)
+        question = question_of(req.messages)
+        chunks = [c.to_chunk() for c in ctx.chunks] if ctx.chunks is not None else None
+
+        def start() -> AnswerStream:
+            check_token_count(state.count_tokens([question, *(c.text for c in chunks or ())]), settings)
+            return rag.stream(question, ctx.chunk_ids, chunks=chunks, options=opts)
+
+        return start
+    prompt = chat_prompt(req.messages)
+
+    def start_plain() -> AnswerStream:
+        check_token_count(state.count_tokens([prompt]), settings)
+        return rag.complete(prompt, options=opts)
+
+    return start_plain
+
+
+def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerStats, max_new: int) -> dict[str, Any]:
+    return {
+        "id": req_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish_reason(stats, max_new), "logprobs": None}],
+        "usage": _usage(stats),
+        "kvrag_stats": stats.as_dict(),
+    }
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Finish:
+    """Release the slot and count the answer, once, from whichever path ends the request first."""
+
+    def __init__(self, state: ServerState, slot: Slot, stream: AnswerStream) -> None:
+        self.state, self.slot, self.stream, self.done = state, slot, stream, False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.slot.release()
+            self.state.metrics.observe_answer(self.stream.stats)
+
+
+class _StreamingAnswer(StreamingResponse):
+    """A StreamingResponse that finishes its request however the response ends: a client that hung
+    up before the first chunk cancels the body before the generator ever starts (so its own
+    `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], finish: _Finish, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._finish = finish
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._finish()
+
+
+async def _events(state: ServerState, stream: AnswerStream, finish: _Finish, req_id: str, created: int, max_new: int) -> AsyncIterator[str]:
+    """OpenAI's chunk stream. The slot is released in `finally` (and by `_StreamingAnswer`): when the
+    client disconnects, the server cancels the body and the next request starts (after at most one
+    more token)."""
+    model = state.model_name
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+
+    try:
+        yield _sse(chunk({"role": "assistant", "content": ""}))
+        started = False
+        async for piece in pieces_async(stream):
+            if not started:  # the non-streaming answer is stripped; match it
+                piece = piece.lstrip()
+                started = bool(piece)
+            if piece:
+                yield _sse(chunk({"content": piece}))
+        stats = stream.stats
+        yield _sse(chunk({}, _finish_reason(stats, max_new), usage=_usage(stats), kvrag_stats=stats.as_dict()))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # the headers are sent: report the error in-band, as OpenAI does
+        err = as_api_error(exc)
+        yield _sse(error_body(err.status, err.message, err.code))
+    finally:
+        finish()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatRequest, request: Request) -> Any:
+    state: ServerState = request.app.state.kvrag
+    try:
+        start = _starter(state, req)  # 400s here, before queueing
+    except Exception as exc:
+        raise as_api_error(exc) from None
+    max_new = req.max_completion_tokens or req.max_tokens or state.settings.max_new_tokens
+    slot = await state.gate.acquire()  # QueueFullError -> 503
+    state.metrics.queue_wait.observe(slot.waited_s)
+    try:
+        stream = await in_thread(start)
+    except BaseException as exc:
+        slot.release()
+        raise as_api_error(exc) if isinstance(exc, Exception) else exc
+    req_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+        finish = _Finish(state, slot, stream)
+        return _StreamingAnswer(
+            _events(state, stream, finish, req_id, created, max_new),
+            finish,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        text = await _collect(stream, request)
+    except Exception as exc:
+        raise as_api_error(exc) from None
+    finally:
+        slot.release()
+        state.metrics.observe_answer(stream.stats)
+    return JSONResponse(_completion(req_id, created, state.model_name, text.strip(), stream.stats, max_new))
+
+
+async def _collect(stream: AnswerStream, request: Request) -> str:
+    """Decode to the end, stopping early if the client went away (its slot is then free sooner)."""
+    text = []
+    async for piece in pieces_async(stream):
+        text.append(piece)
+        if len(text) % 16 == 0 and await request.is_disconnected():
+            log.info("client disconnected; abandoning its answer after %d pieces", len(text))
+            break
+    return "".join(text)

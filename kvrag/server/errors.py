@@ -1,0 +1,90 @@
+"""Errors as OpenAI-style JSON bodies (`{"error": {"message", "type", "code", "param"}}`).
+
+Bad input gets a 4xx carrying the engine's own message; only a real fault is a 500, and its body
+names no internals (the traceback goes to the server log).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvrag.errors import ChunkNotFoundError, ContextTooLongError, EmptyRetrievalError, KVRagError
+from kvrag.server.gate import QueueFullError
+
+log = logging.getLogger("kvrag.server")
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large", 503: "server_busy"}
+
+
+class APIError(Exception):
+    """An error answer with its status, message and (OpenAI-style) code."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.headers = status, message, code, headers
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "code": code, "param": param}}
+
+
+def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The answer for an exception an engine call raised: the engine's message for bad input, else a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextTooLongError):
+        return APIError(400, str(exc), "context_length_exceeded")
+    if isinstance(exc, ChunkNotFoundError):
+        return APIError(400, str(exc), "chunk_not_found")
+    if isinstance(exc, EmptyRetrievalError):
+        return APIError(400, str(exc), "no_chunks")
+    if isinstance(exc, (KVRagError, ValueError, TypeError)):
+        return APIError(400, str(exc), "invalid_request")
+    log.error("internal error", exc_info=exc)
+    return APIError(500, "internal server error (details are in the server log)", "internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can produce, rendered the same way."""
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.headers)
+
+    @app.exception_handler(QueueFullError)
+    async def _busy(request: Request, exc: QueueFullError) -> JSONResponse:
+        state = request.app.state.kvrag
+        state.metrics.rejected.inc()
+        retry = str(state.settings.retry_after_s)
+        return error_response(503, f"{exc}; retry after {retry}s", "queue_full", {"Retry-After": retry})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _validation_message(exc), "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        err = as_api_error(exc)
+        return error_response(err.status, err.message, err.code)

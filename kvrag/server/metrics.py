@@ -1,0 +1,45 @@
+"""Prometheus metrics, one registry per app (so tests and several apps in a process never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
+
+from kvrag.server.gate import RequestGate
+from kvrag.types import AnswerStats
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    """What an operator watches: traffic by endpoint and status, TTFT, cache effectiveness, the queue."""
+
+    def __init__(self, gate: RequestGate) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvrag_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("kvrag_ttft_seconds", "Engine time to first token (prefill), per answer", buckets=TTFT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("kvrag_queue_wait_seconds", "Time a request waited for an engine slot", buckets=TTFT_BUCKETS, registry=r)
+        self.cache_hits = Counter("kvrag_cache_hits", "Chunk KV entries loaded from the store", registry=r)
+        self.cache_misses = Counter("kvrag_cache_misses", "Chunk KV entries computed because the store lacked them", registry=r)
+        self.bytes_loaded = Counter("kvrag_bytes_loaded", "Bytes of chunk KV loaded from the store", registry=r)
+        self.recomputed = Counter("kvrag_recomputed_tokens", "Chunk tokens recomputed by the selected method", registry=r)
+        self.generated = Counter("kvrag_generated_tokens", "Tokens generated", registry=r)
+        self.rejected = Counter("kvrag_rejected_busy", "Requests refused with 503 because the queue was full", registry=r)
+        self.precomputed = Counter("kvrag_ingested_chunks", "Chunks ingested, by outcome", ["outcome"], registry=r)
+        queue = Gauge("kvrag_queue_depth", "Requests waiting for an engine slot", registry=r)
+        queue.set_function(lambda: gate.waiting)
+        running = Gauge("kvrag_running_requests", "Requests holding an engine slot", registry=r)
+        running.set_function(lambda: gate.running)
+
+    def observe_answer(self, stats: AnswerStats) -> None:
+        """Count one finished (or abandoned) answer's stats."""
+        self.ttft.observe(stats.ttft_s)
+        self.cache_hits.inc(stats.cache_hits)
+        self.cache_misses.inc(stats.cache_misses)
+        self.bytes_loaded.inc(stats.bytes_loaded)
+        self.recomputed.inc(stats.recomputed_tokens)
+        self.generated.inc(stats.generated_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,35 @@
+"""`serve(settings)`: load the engine once, then answer over HTTP until stopped."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from kvrag.server.settings import ServerSettings
+
+log = logging.getLogger("kvrag.server")
+
+NO_AUTH_WARNING = (
+    "WARNING: kvrag serve is listening on {host}, not only on this machine. It has NO authentication: "
+    "anyone who can reach {host}:{port} can run the model, ingest and delete chunks. Put it behind a "
+    "reverse proxy with authentication, or bind 127.0.0.1."
+)
+
+
+def serve(settings: ServerSettings, rag=None) -> None:  # noqa: ANN001 (KVRag, imported lazily)
+    """Load the engine (unless one is given) and run uvicorn in this thread until Ctrl-C."""
+    import uvicorn
+
+    from kvrag.server.app import create_app
+
+    if not settings.is_loopback:
+        print(NO_AUTH_WARNING.format(host=settings.host, port=settings.port), file=sys.stderr)
+    if rag is None:
+        from kvrag.engine import KVRag
+
+        print(f"loading model ({settings.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
+        rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device)
+        rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
+    app = create_app(rag, settings)
+    print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)

@@ -1,0 +1,45 @@
+"""`ServerSettings`: everything `kvrag serve` is configured with, as one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the server binds, which engine it loads, how much it admits, and the answer defaults.
+
+    One request runs on the engine at a time by default: the model runs one forward at a time
+    anyway (its lock), so more running requests only interleave decoding steps. Requests beyond
+    `max_concurrency` wait in a bounded queue; beyond `max_queue` they get a 503 at once.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8600
+    store: str | None = None  # KV store URL; None: disk under $KVRAG_HOME/kv
+    model: str | None = None  # HF id, folder or .gguf; None: the bundled SmolLM2-135M-Instruct
+    device: str = "auto"
+    max_concurrency: int = 1  # requests running on the engine at once
+    max_queue: int = 16  # requests waiting for a slot; more get 503
+    retry_after_s: int = 1  # the Retry-After a 503 suggests
+    max_body_bytes: int = 1 << 20  # request body limit (413 above)
+    max_chunks: int = 64  # chunks per request (413 above)
+    max_request_tokens: int = 32768  # tokens of text per request: chunk texts plus messages (413 above)
+    max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for (400 above)
+    method: str = "reuse"  # default method when a request names none
+    recompute_ratio: float = 0.15
+    max_new_tokens: int = 64  # default max_tokens
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be 0 or more")
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio}")
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in LOOPBACK or self.host.startswith("127.")

@@ -1,0 +1,208 @@
+"""`kvrag serve` vs one `kvrag ask` process per question, and the server under 1/4/8 concurrent clients.
+
+    python scripts/server_bench.py --out runs/server-bench            # 20 questions, 20 `kvrag ask` calls
+    python scripts/server_bench.py --out runs/server-bench --quick    # a handful of each: the harness end to end
+
+Everything lives under OUT (its own $KVRAG_HOME: chroma index, disk KV store). The bundled sample
+corpus is indexed and ingested through the server, so both paths read the same cached KV; a
+server question includes its retrieval (same chroma index, top-k) so the comparison is per question,
+end to end. Server TTFT is measured at the client: request sent -> first content piece (SSE),
+queueing included. Writes OUT/server_bench.json and OUT/server_bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder (also the $KVRAG_HOME of this run)")
+    p.add_argument("--quick", action="store_true", help="4 server questions per level, 2 `kvrag ask` calls, 8 new tokens")
+    p.add_argument("--n", type=int, default=20, help="questions through the server (per concurrency level)")
+    p.add_argument("--cli-n", type=int, default=None, help="`kvrag ask` subprocess calls (default: --n)")
+    p.add_argument("--concurrency", default="1,4,8", help="concurrent clients, comma-separated")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--method", default="reuse")
+    p.add_argument("--model", default=None, help="HF id, folder or .gguf (default: bundled SmolLM2)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--server", default=None, help="benchmark this running server instead of starting one (same model and store!)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.max_new_tokens = min(args.n, 4), min(args.max_new_tokens, 8)
+        args.cli_n = 2 if args.cli_n is None else args.cli_n
+    args.cli_n = args.n if args.cli_n is None else args.cli_n
+    return args
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (p99 of 20 values is the largest: honest for small samples)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))]
+
+
+def start_server(args: argparse.Namespace) -> tuple[str, Any]:
+    """An in-process `kvrag serve` (uvicorn in a thread) on a free loopback port."""
+    import socket
+
+    import uvicorn
+
+    from kvrag.engine import KVRag
+    from kvrag.server import ServerSettings, create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = ServerSettings(port=port, model=args.model, device=args.device, max_queue=64, max_new_tokens=args.max_new_tokens)
+    rag = KVRag.from_pretrained(args.model, device=args.device)
+    server = uvicorn.Server(uvicorn.Config(create_app(rag, settings), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+def stream_question(url: str, question: str, chunk_ids: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One streamed chat completion; client-side TTFT and total time, the engine's stats."""
+    body = {"model": "kvrag", "stream": True, "max_tokens": args.max_new_tokens, "messages": [{"role": "user", "content": question}],
+            "kvrag": {"chunk_ids": chunk_ids, "method": args.method}}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, text, stats = None, "", {}
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            piece = event["choices"][0]["delta"].get("content") or ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text += piece
+            stats = event.get("kvrag_stats", stats)
+    total = time.perf_counter() - t0
+    return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "engine_ttft_s": stats.get("ttft_s"), "text": text}
+
+
+def server_sequential(url: str, index: Any, questions: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per question, end to end as a client sees it: retrieve top-k ids, then ask the server."""
+    rows = []
+    for q in questions:
+        t0 = time.perf_counter()
+        ids = [c.id for c in index.query(q, k=args.top_k)]
+        r = stream_question(url, q, ids, args)
+        rows.append({**r, "wall_s": time.perf_counter() - t0})
+    return rows
+
+
+def cli_calls(questions: list[str], args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
+    """One `kvrag ask` process per question (model load + retrieval + answer, every time)."""
+    rows = []
+    for q in questions:
+        cmd = [sys.executable, "-m", "kvrag.cli", "ask", q, "--method", args.method, "-k", str(args.top_k),
+               "--max-new-tokens", str(args.max_new_tokens), "--json", "--device", args.device]
+        if args.model:
+            cmd += ["--model", args.model]
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        wall = time.perf_counter() - t0
+        if out.returncode != 0:
+            raise RuntimeError(f"kvrag ask failed: {out.stderr[-2000:]}")
+        rows.append({"wall_s": wall, "engine_ttft_s": json.loads(out.stdout.strip().splitlines()[-1])["stats"]["ttft_s"]})
+    return rows
+
+
+def concurrent_level(url: str, work: list[tuple[str, list[str]]], clients: int, args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        rows = list(pool.map(lambda qi: stream_question(url, qi[0], qi[1], args), work))
+    wall = time.perf_counter() - t0
+    ttfts = [r["ttft_s"] for r in rows]
+    return {"clients": clients, "requests": len(rows), "wall_s": wall, "throughput_rps": len(rows) / wall,
+            "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+            "engine_ttft_p50_s": pct([r["engine_ttft_s"] or 0.0 for r in rows], 50)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s, c = result["sequential"], result["concurrency"]
+    lines = [
+        f"# kvrag serve benchmark ({result['meta']['model']}, method {result['meta']['method']}, "
+        f"{result['meta']['max_new_tokens']} new tokens, top-{result['meta']['top_k']})",
+        "",
+        "| path | questions | wall per question p50 (s) | mean (s) | engine TTFT p50 (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rows in (("server (retrieve + HTTP)", s["server"]), ("`kvrag ask` subprocess", s["cli"])):
+        walls = [r["wall_s"] for r in rows]
+        eng = [r["engine_ttft_s"] or 0.0 for r in rows]
+        lines.append(f"| {name} | {len(rows)} | {pct(walls, 50):.3f} | {statistics.fmean(walls) if walls else float('nan'):.3f} | {pct(eng, 50):.3f} |")
+    lines += ["", "| concurrent clients | requests | throughput (req/s) | TTFT p50 (s) | TTFT p99 (s) | engine TTFT p50 (s) |",
+              "|---|---|---|---|---|---|"]
+    for lv in c:
+        lines.append(f"| {lv['clients']} | {lv['requests']} | {lv['throughput_rps']:.2f} | {lv['ttft_p50_s']:.3f} | "
+                     f"{lv['ttft_p99_s']:.3f} | {lv['engine_ttft_p50_s']:.3f} |")
+    lines += ["", "TTFT at the client includes queueing: the server runs one request on the engine at a time."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["KVRAG_HOME"] = str(out / "home")  # before kvrag reads it: index, KV store and gate verdicts live here
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+    from kvrag.cli import sample_corpus_dir, sample_questions
+    from kvrag.documents import load_documents
+    from kvrag.retrieval import ChunkIndex
+    from kvrag.server.client import ingest_via_server
+
+    url, server = (args.server.rstrip("/"), None) if args.server else start_server(args)
+    chunks = load_documents([sample_corpus_dir()])
+    index = ChunkIndex(out / "home" / "chroma")
+    index.add(chunks)
+    report = ingest_via_server(url, chunks)
+    print(f"server {url}: ingested {report['chunks']} chunks ({report['computed']} computed)", file=sys.stderr)
+    pool = [q["question"] for q in sample_questions()]
+    questions = [pool[i % len(pool)] for i in range(args.n)]
+    stream_question(url, questions[0], [c.id for c in index.query(questions[0], k=args.top_k)], args)  # warm-up
+
+    seq_server = server_sequential(url, index, questions, args)
+    env = {**os.environ, "KVRAG_HOME": str(out / "home")}
+    seq_cli = cli_calls(questions[: args.cli_n], args, env)
+    work = [(q, [c.id for c in index.query(q, k=args.top_k)]) for q in questions]
+    levels = [concurrent_level(url, work, int(c), args) for c in args.concurrency.split(",") if c]
+    result = {
+        "meta": {"model": args.model or "bundled SmolLM2-135M-Instruct", "method": args.method, "max_new_tokens": args.max_new_tokens,
+                 "top_k": args.top_k, "n": args.n, "cli_n": args.cli_n, "quick": args.quick, "server": url, "cpu_count": os.cpu_count(),
+                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
+        "sequential": {"server": seq_server, "cli": seq_cli},
+        "concurrency": levels,
+    }
+    (out / "server_bench.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (out / "server_bench.md").write_text(md)
+    print(md)
+    if server is not None:
+        server.should_exit = True
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
