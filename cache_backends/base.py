@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 

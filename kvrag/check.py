@@ -30,17 +30,17 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvrag.check_report import CheckReport, CheckRow
 from kvrag.check_noise import FLOORS, MULTIPLE, describe, judge, reference_keys, reference_logits
 from kvrag.errors import UnsupportedModelError
 from kvrag.model import (
@@ -55,7 +55,12 @@ from kvrag.model import (
     resolve_dtype,
     text_config,
 )
+from kvrag.cache import cache_kv, empty_cache
+from kvrag.core import KVRagCore
+from kvrag.options import KIND_CHUNK
+from kvrag.precompute import stack_layers
 from kvrag.types import Chunk
+from kvrag.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -91,100 +96,6 @@ KEY_SHIFT = 1024  # re-rotated keys are moved this far (or as far as the model's
 
 ROWS = ("architecture", "rope variant", "partial rotary", "sliding window", "attention sinks",
         "re-rotated keys", "reuse = full (1 chunk)", "recompute 1.0 = full")
-
-
-@dataclass
-class CheckRow:
-    """One check: `passed` is None when it was skipped (an earlier check already failed)."""
-
-    name: str
-    passed: bool | None
-    error: float | None = None  # the measured relative error (numeric checks)
-    tolerance: float | None = None  # max(multiple * noise, the dtype's floor)
-    message: str = ""
-    noise: float | None = None  # the model's own error on the same computation: its dtype vs fp32
-    multiple: float | None = None  # how many times the noise reuse may differ by
-
-    @property
-    def status(self) -> str:
-        return "skip" if self.passed is None else "ok" if self.passed else "FAIL"
-
-
-@dataclass
-class CheckReport:
-    source: str
-    fingerprint: str
-    device: str
-    dtype: str
-    rows: list[CheckRow] = field(default_factory=list)
-    seconds: float = 0.0
-    cached: bool = False  # read back from $KVRAG_HOME/checks rather than run now
-    reference: str = ""  # what the numeric checks' noise was measured against
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed is not False for r in self.rows) and any(r.passed for r in self.rows)
-
-    @property
-    def failed(self) -> list[CheckRow]:
-        return [r for r in self.rows if r.passed is False]
-
-    def row(self, name: str) -> CheckRow:
-        for r in self.rows:
-            if r.name == name:
-                return r
-        raise KeyError(name)
-
-    def table(self) -> str:
-        """A short text table: one line per check, then the verdict."""
-        head = ("check", "result", "rel. error", "noise", "x", "tolerance", "note")
-        lines = [head] + [
-            (r.name, r.status, _num(r.error), _num(r.noise), "" if r.multiple is None else f"{r.multiple:g}", _num(r.tolerance), r.message)
-            for r in self.rows
-        ]
-        widths = [max(len(line[i]) for line in lines) for i in range(6)]
-        out = [f"model {self.source} on {self.device} / {self.dtype} (fingerprint {self.fingerprint[:12] or '-'})"]
-        for i, line in enumerate(lines):
-            out.append("  ".join(c.ljust(w) for c, w in zip(line[:6], widths)) + "  " + line[6])
-            if i == 0:
-                out.append("  ".join("-" * w for w in widths) + "  " + "-" * 4)
-        if self.reference:
-            out.append(f"tolerance = max(x * noise, floor); noise: {self.reference}")
-        verdict = "PASSED" if self.passed else "FAILED: " + ", ".join(r.name for r in self.failed)
-        out.append(f"{verdict} ({'cached verdict' if self.cached else f'{self.seconds:.2f} s'})")
-        return "\n".join(out)
-
-    def error_message(self) -> str:
-        failed = self.failed
-        parts = [f"{r.name}: {r.message}" + (f" (error {_num(r.error)} > tolerance {_num(r.tolerance)})" if r.error is not None and r.tolerance is not None and not math.isnan(r.error) else "") for r in failed]
-        return (
-            f"kvrag cannot serve {self.source} exactly on {self.device}/{self.dtype}: "
-            f"failed check{'s' if len(failed) > 1 else ''} " + "; ".join(parts)
-            + ". Run `kvrag check-model` for the full table; KVRag(..., check=False) skips this gate at your own risk."
-        )
-
-    def raise_if_failed(self) -> "CheckReport":
-        if not self.passed:
-            raise UnsupportedModelError(self.error_message())
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("cached")
-        for r in d["rows"]:  # JSON has no NaN/inf
-            for k in ("error", "tolerance", "noise", "multiple"):
-                if r[k] is not None and not math.isfinite(r[k]):
-                    r[k] = None
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], cached: bool = False) -> "CheckReport":
-        rows = [CheckRow(**r) for r in d["rows"]]
-        return cls(d["source"], d["fingerprint"], d["device"], d["dtype"], rows, float(d.get("seconds", 0.0)), cached, d.get("reference", ""))
-
-
-def _num(x: float | None) -> str:
-    return "" if x is None else "nan" if math.isnan(x) else f"{x:.1e}"
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -271,9 +182,6 @@ def _noise(fn: Any) -> list[float] | None:
 
 def _key_check(rag: Any) -> CheckRow:
     """Stored RoPE-free keys of a chunk, re-rotated to a far position == keys computed there in place."""
-    from kvrag.cache import cache_kv, empty_cache
-    from kvrag.engine import KIND_CHUNK
-    from kvrag.precompute import stack_layers
 
     lm, layout = rag.lm, rag.layout
     ids = layout.chunk_ids(CHECK_CHUNKS[0])
@@ -364,14 +272,13 @@ def _refused(source: str, exc: Exception, device: str, dtype: str, seconds: floa
 
 def run_checks(lm: LoadedModel) -> CheckReport:
     """Every check on this loaded model as it is (its device and dtype)."""
-    from kvrag.engine import KVRag
 
     t0 = time.perf_counter()
     report = CheckReport(lm.source, lm.fingerprint, lm.device.type, str(lm.dtype).removeprefix("torch."))
     rag = None
     try:
         check_supported(lm.model)
-        rag = KVRag(lm, store="memory://", check=False)
+        rag = KVRagCore(lm, store="memory://")
         seg = rag.layout.segments([rag.layout.chunk_ids(c) for c in CHECK_CHUNKS], CHECK_QUESTION)
         report.rows = _static_rows(lm, seg.total_len)
     except Exception as exc:
@@ -434,7 +341,6 @@ def _engine_digest() -> str:
 def _versions() -> dict[str, str]:
     import transformers
 
-    from kvrag import __version__
 
     return {
         "check": CHECK_VERSION,

@@ -53,6 +53,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collection", default="kvrag_chunks", help="chroma collection under $KVRAG_HOME/chroma")
 
 
+def _server_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=os.environ.get("KVRAG_SERVER"),
+                   help="URL of a running `kvrag serve` (default: $KVRAG_SERVER): no model is loaded here")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrag", description="Fast RAG on a local LLM by reusing per-chunk KV caches.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -60,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ing = sub.add_parser("ingest", help="split files into chunks, index them and precompute their KV")
     _common(ing)
+    _server_option(ing)
     ing.add_argument("paths", nargs="+", help=".txt/.md/.jsonl files or folders")
     ing.add_argument("--max-words", type=int, default=120, help="target chunk size in words (default 120)")
     ing.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_CHUNK_TOKENS,
@@ -73,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="answer a question from the ingested chunks")
     _common(ask)
+    _server_option(ask)
     ask.add_argument("question")
     ask.add_argument("--method", default="reuse", help="full, reuse, ... (see `kvrag methods`)")
     ask.add_argument("--recompute-ratio", type=float, default=0.15)
@@ -139,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     dv.add_argument("--top-n", type=int, default=2)
     dv.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
 
+    from kvrag.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     sb = sub.add_parser("bench-store", help="store latency/throughput and the load share of TTFT")
     sb.add_argument("--out", required=True)
     sb.add_argument("--redis", default=None, help="also measure this Redis URL (e.g. redis://127.0.0.1:6379/0)")
@@ -162,12 +172,20 @@ def _home() -> Path:
     return kvrag_home()
 
 
+def _index(args: argparse.Namespace):
+    from kvrag.retrieval import ChunkIndex
+
+    return ChunkIndex(_home() / "chroma", collection=args.collection)
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from kvrag.documents import load_documents
 
     for path in args.paths:
         if not Path(path).exists():
             raise KVRagError(f"no such file or folder: {path}")
+    if args.server:
+        return _ingest_via_server(args)
     rag, index = _open(args)
     chunks = load_documents(args.paths, max_words=args.max_words, max_tokens=args.max_tokens, tokenizer=rag.lm.tokenizer)
     if not chunks:
@@ -191,6 +209,37 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ingest_via_server(args: argparse.Namespace) -> int:
+    from kvrag.documents import load_documents
+    from kvrag.server.client import ingest_via_server
+
+    chunks = load_documents(args.paths, max_words=args.max_words, max_tokens=args.max_tokens)
+    if not chunks:
+        print("no text found in the given paths", file=sys.stderr)
+        return 1
+    _index(args).add(chunks)
+    report = ingest_via_server(args.server, chunks)
+    print(f"ingested {report['chunks']} chunks ({report['computed']} computed, {report['already_cached']} already cached, "
+          f"{report['tokens']} tokens) in {report['seconds']:.1f}s on {args.server}", file=sys.stderr)
+    return 0
+
+
+def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
+    from kvrag.server.client import ask_via_server
+
+    if args.evict_budget is not None:
+        raise KVRagError("--evict-budget is not available through --server")
+    chunks = _retrieve(_index(args), args.question, args.top_k)
+    text, stats = ask_via_server(args.server, args.question, chunks=chunks, method=args.method, recompute_ratio=args.recompute_ratio,
+                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, params=params)
+    if args.json:
+        print(json.dumps({"answer": text, "chunk_ids": [c.id for c in chunks], "stats": stats.as_dict()}))
+    else:
+        print(text)
+        print(stats.summary(), file=sys.stderr)
+    return 0
+
+
 def cmd_remove(args: argparse.Namespace) -> int:
     rag, index = _open(args)
     removed = 0
@@ -210,7 +259,6 @@ def _retrieve(index, question: str, k: int):
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    rag, index = _open(args)
     from kvrag.evict import SnapKV
     from kvrag.eval.runner import parse_method
 
@@ -221,6 +269,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         get_method(args.method, **dict(params))  # a mistyped method or parameter fails before any work
     except TypeError as exc:
         raise KVRagError(str(exc)) from None
+    if args.server:
+        return _ask_via_server(args, dict(params))
+    rag, index = _open(args)
     chunks = _retrieve(index, args.question, args.top_k)
     stream = rag.stream(
         args.question,
@@ -322,7 +373,14 @@ COMMANDS = {
     "quickstart": cmd_quickstart,
     "methods": cmd_methods,
     "bench": cmd_bench,
+    "serve": lambda args: _serve(args),
 }
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvrag.server.cli import cmd_serve
+
+    return cmd_serve(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

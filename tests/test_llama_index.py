@@ -44,7 +44,9 @@ def test_ingestion_then_postprocessor_path(tiny_llm):
     post = KVCacheNodePostprocessor(tiny_llm)
     kept = post.postprocess_nodes([NodeWithScore(node=n, score=1.0) for n in NODES[:2]], QueryBundle("Where is it?"))
     assert [n.node.node_id for n in kept] == ["n1", "n2"]
-    tiny_llm.complete("whatever the synthesizer built")
+    tiny_llm.complete("Translate 'good morning' into French.")  # an unrelated call does not take the hand-over (#18)
+    assert tiny_llm.last_stats.path == "plain"
+    tiny_llm.complete("Context: whatever the synthesizer built\nQuery: Where is it?\nAnswer: ")  # the call made for the query
     stats = tiny_llm.last_stats
     assert stats.path == "postprocessor" and stats.cache_hits == 2 and stats.chunk_prefill_tokens == 0
     tiny_llm.complete("Say something.")  # the hand-over served one call only

@@ -22,6 +22,7 @@ from pydantic import AliasChoices, Field, PrivateAttr
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.model import BUNDLED_NAME
 from kvrag.options import AnswerOptions
+from kvrag.server.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
 
 _ROLES = {"system": "System", "human": "User", "ai": "Assistant", "tool": "Tool", "function": "Function"}
@@ -102,6 +103,7 @@ class ChatKVRag(BaseChatModel):
     model_name: str | None = Field(default=None, description="HF id, local folder or .gguf path; None is the bundled SmolLM2.")
     store: str | None = Field(default=None, description="KV store URL (memory://, disk:///path, redis://, tiered://); None is the default disk store.")
     streaming: bool = Field(default=False, description="Route `invoke` through streaming (LangChain convention).")
+    server: str | None = Field(default=None, description="URL of a running `kvrag serve` (e.g. http://127.0.0.1:8600); calls go over HTTP and no model is loaded here.")
 
     _rag: KVRag | None = PrivateAttr(default=None)
     _rag_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
@@ -124,6 +126,8 @@ class ChatKVRag(BaseChatModel):
         """The model's name for traces and `response_metadata` (never loads the model)."""
         if self.model_name:
             return self.model_name
+        if self.server:
+            return f"kvrag server {self.server}"
         return str(self._rag.lm.source) if self._rag is not None else BUNDLED_NAME
 
     @property
@@ -177,6 +181,10 @@ class ChatKVRag(BaseChatModel):
             **self.method_params,
         )
         opts = AnswerOptions.from_kwargs(opts, **kwargs, stop=self._stops(stop) or None)
+        if self.server:
+            if documents is not None:
+                return stream_via_server(self.server, last_human_text(messages), chunks=documents_to_chunks(documents), options=opts)
+            return stream_via_server(self.server, messages_to_prompt(messages), options=opts)
         rag = self.rag
         if documents is not None:
             return rag.stream(last_human_text(messages), chunks=documents_to_chunks(documents), options=opts)

@@ -21,6 +21,7 @@ from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.options import AnswerOptions
+from kvrag.server.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
 
 
@@ -55,13 +56,15 @@ class KVRagLLM(CustomLLM):
     max_new_tokens: int = Field(default=128, description="tokens to generate at most")
     temperature: float = Field(default=0.0, description="0 = greedy")
     top_p: float = Field(default=1.0, description="nucleus sampling threshold")
+    server: str | None = Field(default=None, description="URL of a running `kvrag serve`; calls go over HTTP and no model is loaded here")
+    context_window: int = Field(default=8192, description="the served model's context (used only with `server`)")
 
     _rag: KVRag = PrivateAttr()
     _last_stats: AnswerStats | None = PrivateAttr(default=None)
 
     def __init__(self, rag: KVRag | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._rag = rag if rag is not None else KVRag.from_pretrained(self.model_name, store=self.store)
+        self._rag = rag if rag is not None or self.server else KVRag.from_pretrained(self.model_name, store=self.store)
 
     @property
     def rag(self) -> KVRag:
@@ -79,10 +82,10 @@ class KVRagLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self._rag.lm.max_context,
+            context_window=self._rag.lm.max_context if self._rag is not None else self.context_window,
             num_output=self.max_new_tokens,
             is_chat_model=False,
-            model_name=self.model_name or self._rag.lm.source,
+            model_name=self.model_name or (self._rag.lm.source if self._rag is not None else f"kvrag server {self.server}"),
         )
 
     def options(self, **overrides: Any) -> AnswerOptions:
@@ -100,10 +103,17 @@ class KVRagLLM(CustomLLM):
         known = ("method", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "stop")
         opts = self.options(**{k: kwargs.pop(k) for k in known if k in kwargs})
         pending = _PENDING.get()
+        if pending is not None and pending.query.strip() not in prompt:
+            pending = None  # a hand-over serves only the call made for its query (the synthesizer's prompt holds it)
         if pending is not None:
             _PENDING.set(None)  # one hand-over serves one call
-            stream = self._rag.stream(pending.query, chunks=pending.chunks, options=opts)
+            if self.server:
+                stream = stream_via_server(self.server, pending.query, chunks=pending.chunks, options=opts)
+            else:
+                stream = self._rag.stream(pending.query, chunks=pending.chunks, options=opts)
             stream.stats.path = "postprocessor"
+        elif self.server:
+            stream = stream_via_server(self.server, prompt, options=opts)
         else:
             stream = self._rag.complete(prompt, options=opts)
         self._last_stats = stream.stats

@@ -28,8 +28,9 @@ class KVCacheNodePostprocessor(BaseNodePostprocessor):
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         chunks = [node_to_chunk(n.node) for n in nodes]
         if chunks:
-            self._llm.rag.register(chunks)
-            self._llm.rag.prefetch(chunks=chunks)
+            if self._llm.rag is not None:  # with `server=`, the server registers and loads them
+                self._llm.rag.register(chunks)
+                self._llm.rag.prefetch(chunks=chunks)
             if query_bundle is not None:
                 hand_over(query_bundle.query_str, chunks)
         return nodes
