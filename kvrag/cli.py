@@ -14,10 +14,25 @@ from pathlib import Path
 from typing import Sequence
 
 from kvrag.documents import DEFAULT_MAX_CHUNK_TOKENS
+from kvrag.decode import STOP_RULES
 from kvrag.errors import KVRagError
+from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT
 from kvrag.samples import sample_corpus_dir, sample_questions
 
 DEFAULT_K = 5
+
+
+def _ratio(text: str) -> float | str:
+    """argparse type: a recompute ratio in [0, 1] or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -81,8 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     _common(ask)
     _server_option(ask)
     ask.add_argument("question")
-    ask.add_argument("--method", default="reuse", help="full, reuse, ... (see `kvrag methods`)")
-    ask.add_argument("--recompute-ratio", type=float, default=0.15)
+    ask.add_argument("--method", default=DEFAULT_METHOD, help=f"full, reuse, ... (see `kvrag methods`; default {DEFAULT_METHOD})")
+    ask.add_argument("--recompute-ratio", type=_ratio, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
+    ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=_positive, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64)
     ask.add_argument("--temperature", type=float, default=0.0)
@@ -280,6 +296,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         recompute_ratio=args.recompute_ratio,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
+        stop_at=args.stop_at,
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
         **dict(params),
     )
@@ -305,14 +322,31 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     question = args.question or sample_questions()[0]["question"]
     retrieved = _retrieve(index, question, DEFAULT_K)
     print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved)")
-    results = {}
-    for method in ("full", "reuse"):
-        ans = rag.answer(question, chunks=retrieved, method=method, max_new_tokens=48)
-        results[method] = ans
-        print(f"[{method:>5}] {ans.text}\n        {ans.stats.summary()}")
-    ratio = results["full"].stats.ttft_s / max(results["reuse"].stats.ttft_s, 1e-9)
-    print(f"\nTTFT Full Attention / KV reuse: {ratio:.1f}x  (store: {rag.store.url})")
+    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", DEFAULT_METHOD)):
+        print(line)
+    print(f"(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
+          "KL = first-token KL divergence from Full Attention, 0 is identical)")
     return 0
+
+
+def compare_with_full(rag, question: str, chunks, methods) -> list[str]:
+    """One line per method: its answer, TTFT speed-up over Full Attention, and how close the answer is
+    to Full Attention's (never a speed-up without the quality beside it)."""
+    from kvrag.eval.metrics import agreement, first_token_kl
+
+    full = rag.prefill(question, chunks=chunks, method="full")
+    full_text = rag.decode(full).answer().text
+    lines = []
+    for method in methods:
+        pre = full if method == "full" else rag.prefill(question, chunks=chunks, method=method)
+        text = full_text if method == "full" else rag.decode(pre).answer().text
+        speedup = full.stats.ttft_s / max(pre.stats.ttft_s, 1e-9)
+        quality = "reference" if method == "full" else (
+            f"{'agrees' if agreement(text, full_text) else 'DIFFERS'}, KL {first_token_kl(full.logits, pre.logits):.3f}"
+        )
+        label = method if method in ("full", "reuse") else f"{method}@{DEFAULT_RATIO:g}"
+        lines.append(f"[{label:>15}] {text}\n{'':18}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
+    return lines
 
 
 def cmd_methods(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -18,6 +19,7 @@ class DecodeConfig:
     top_p: float = 1.0
     stop: Sequence[str] = ()
     seed: int | None = None
+    stop_at: str = "none"  # "sentence": end after the first complete sentence; "line": at the first line break
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -26,7 +28,28 @@ class DecodeConfig:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.stop_at not in STOP_RULES:
+            raise ValueError(f"stop_at must be one of {sorted(STOP_RULES)}, got {self.stop_at!r}")
 
+
+_SENTENCE_END = re.compile(r"(?<!\b[A-Z])[.!?][\"')\]]*(?=\s)")
+STOP_RULES = ("none", "line", "sentence")
+
+
+def rule_cut(text: str, rule: str) -> int:
+    """Where a short answer is complete under `rule` (-1: not yet). "line": at the first line break
+    after some text; "sentence": after the first sentence's end mark once whitespace follows it (so
+    "3.14" or "e.g" mid-word never end one), or at a line break."""
+    if rule == "none":
+        return -1
+    start = len(text) - len(text.lstrip())
+    nl = text.find("\n", start)
+    cut = nl if nl > start else -1
+    if rule == "sentence":
+        m = _SENTENCE_END.search(text, start)
+        if m is not None and (cut < 0 or m.end() < cut):
+            cut = m.end()
+    return cut
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -155,6 +178,9 @@ def stream_tokens(
         detok.add(token)
         text = detok.text
         cut = min((text.find(s) for s in stops if s in text), default=-1)
+        done = rule_cut(text, cfg.stop_at)
+        if done >= 0 and (cut < 0 or done < cut):
+            cut = done
         if cut >= 0:
             if cut > emitted:
                 yield text[emitted:cut]

@@ -19,7 +19,8 @@ from kvrag.errors import ContextTooLongError
 from kvrag.evict import SnapKV
 from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
 from kvrag.layout import Segments
-from kvrag.methods import Method, PrepareContext, SelectContext, Selection, token_budget
+from kvrag.auto_ratio import AutoRatio, auto_budget
+from kvrag.methods import Method, PrepareContext, ScoredMethod, SelectContext, Selection, token_budget
 from kvrag.model import decoder_of
 from kvrag.options import KIND_CHUNK, AnswerOptions
 from kvrag.probe import ProbeResult, capture_queries
@@ -136,14 +137,32 @@ class RequestPipeline:
             ctx = SelectContext(self.lm, self.rotary, stitched, exact, kept.scores)
         held = stitched.chunk_positions()
         stats.kept_kv_ratio = int(held.numel()) / max(1, stats.context_tokens)
-        budget = token_budget(opts.recompute_ratio, int(held.numel()))
         candidates = ctx.candidates()
-        selection = Selection.of(meth.select(ctx, min(budget, int(candidates.numel()))))
-        if 0 < candidates.numel() < budget and selection.positions.numel() == candidates.numel():
-            # every other chunk token is taken: only then does the budget reach the exact first chunk
-            exact_held = held[~torch.isin(held, candidates)][: budget - int(candidates.numel())]
-            selection.positions = torch.cat([exact_held, selection.positions.to(exact_held.device)]).sort().values
+        if isinstance(opts.recompute_ratio, AutoRatio):
+            selection = self._auto_select(meth, ctx, candidates, int(held.numel()), opts.recompute_ratio)
+        else:
+            budget = token_budget(opts.recompute_ratio, int(held.numel()))
+            selection = Selection.of(meth.select(ctx, min(budget, int(candidates.numel()))))
+            if 0 < candidates.numel() < budget and selection.positions.numel() == candidates.numel():
+                # every other chunk token is taken: only then does the budget reach the exact first chunk
+                exact_held = held[~torch.isin(held, candidates)][: budget - int(candidates.numel())]
+                selection.positions = torch.cat([exact_held, selection.positions.to(exact_held.device)]).sort().values
+        stats.recompute_ratio = int(selection.positions.numel()) / max(1, int(held.numel()))
         return stitched, selection
+
+    @staticmethod
+    def _auto_select(meth: Method, ctx: SelectContext, candidates: torch.Tensor, held: int, auto: AutoRatio) -> Selection:
+        """`recompute_ratio="auto"`: a scoring rule's fewest top tokens holding `auto.mass` of its scores."""
+        if not isinstance(meth, ScoredMethod):
+            return Selection.of(meth.select(ctx, min(token_budget(auto.fallback, held), int(candidates.numel()))))
+        if candidates.numel() == 0:
+            return Selection.empty()
+        scores = meth.scores(ctx).float().cpu()
+        k = auto_budget(scores, held, auto)
+        top = torch.topk(scores, k).indices if k else torch.empty(0, dtype=torch.long)
+        dense = torch.full((ctx.stitched.segments.context_len,), float("-inf"))
+        dense[candidates] = scores
+        return Selection(candidates[top].sort().values, dense)
 
     def stitched(self, resolved: Resolved, segments: Segments) -> Stitched:
         """The stitched context of these chunks laid out as `segments` (store hits; misses computed and kept)."""

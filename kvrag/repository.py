@@ -149,9 +149,12 @@ class KVRepository:
         for c in chunks:
             with self._registry_lock:
                 self.chunks.pop(c.id, None)
-                self.similarity_context.pop(c.id, None)
-            if c.text.strip():
-                key = self.key(KIND_CHUNK, self.layout.chunk_ids(c))
+                context = self.similarity_context.pop(c.id, None)
+            if not c.text.strip():
+                continue
+            ids = self.layout.chunk_ids(c)
+            keys = [self.key(KIND_CHUNK, ids)] + ([self.key(KIND_SIMILARITY, ids, context)] if context else [])
+            for key in keys:
                 if self.guarded.contains(key):
                     self.guarded.delete(key)
                     deleted += 1

@@ -32,6 +32,7 @@ class AnswerStats:
     context_tokens: int = 0
     question_tokens: int = 0
     recomputed_tokens: int = 0
+    recompute_ratio: float = 0.0  # recomputed chunk tokens / chunk tokens held (what "auto" chose)
     chunk_prefill_tokens: int = 0
     cache_hits: int = 0
     cache_misses: int = 0

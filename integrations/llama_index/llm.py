@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
@@ -20,7 +20,7 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvrag.engine import AnswerStream, KVRag
-from kvrag.options import AnswerOptions
+from kvrag.options import DEFAULT_METHOD, AnswerOptions
 from kvrag.server.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
 
@@ -51,8 +51,8 @@ class KVRagLLM(CustomLLM):
 
     model_name: str | None = Field(default=None, description="HF model id, folder or .gguf; None = bundled SmolLM2-135M-Instruct")
     store: str | None = Field(default=None, description="KV store URL; None = disk under $KVRAG_HOME")
-    method: str = Field(default="reuse", description="kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv")
-    recompute_ratio: float = Field(default=0.15, description="share of chunk tokens recomputed by selective methods")
+    method: str = Field(default=DEFAULT_METHOD, description="kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv (default: the best measured fast setting)")
+    recompute_ratio: float | Literal["auto"] = Field(default=0.15, description="share of chunk tokens recomputed by selective methods, or 'auto' (per request)")
     max_new_tokens: int = Field(default=128, description="tokens to generate at most")
     temperature: float = Field(default=0.0, description="0 = greedy")
     top_p: float = Field(default=1.0, description="nucleus sampling threshold")

@@ -7,8 +7,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from kvrag.errors import ChunkNotFoundError
 from kvrag.engine import KVRag
-from kvrag.options import CHUNK_KINDS
+
 from kvrag.server.errors import APIError, as_api_error
 from kvrag.server.schemas import IngestRequest, check_chunk_count, check_token_count
 from kvrag.server.state import ServerState, in_thread
@@ -53,41 +54,16 @@ async def ingest(body: IngestRequest, request: Request) -> dict[str, Any]:
 def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
     """Drop a chunk from the engine's registry and its KV from the store; None when nobody knows it.
 
-    The keys are the engine repository's own (`repo.key(kind, token_ids)`) for every chunk kind; a
-    chunk only the store knows (ingested through another replica) is found through its node-id link.
-    The link itself is removed where the store offers `unlink`; otherwise it is left dangling, which
-    resolves to a missing entry: an unknown chunk either way.
+    A chunk only the store knows (ingested through another replica) is found through the
+    repository's namespaced node-id index. The link itself stays (stores have no unlink yet): it
+    resolves to a missing entry, i.e. an unknown chunk either way.
     """
-    repo = rag.repo
-    with repo._registry_lock:  # the registry's own lock: no request sees a half-forgotten chunk
-        chunk = repo.chunks.pop(chunk_id, None)
-    token_ids = repo.layout.chunk_ids(chunk) if chunk is not None else None
-    linked = repo.guarded.resolve([chunk_id])[0]
-    if token_ids is None and linked is not None:
-        entry = repo.guarded.get(linked)
-        if entry is None:  # a link to an entry already gone (forgotten before): nothing left to forget
-            linked = None
-        elif entry.token_ids is not None:
-            token_ids = entry.token_ids.tolist()
-    if token_ids is None and linked is None:
+    try:
+        chunk = rag.repo.lookup([chunk_id], None).chunks[0]
+    except ChunkNotFoundError:
         return None
-    keys = [repo.key(kind, token_ids) for kind in CHUNK_KINDS] if token_ids is not None else []
-    if linked is not None and linked not in keys:
-        keys.append(linked)
-    removed = 0
-    for key in keys:
-        try:
-            if repo.store.contains(key):
-                repo.store.delete(key)
-                removed += 1
-        except Exception as exc:  # a store fault: report what was done, never a 500
-            log.warning("could not delete cache entry %s…: %s", key[:12], exc)
-    unlinked = False
-    unlink = getattr(repo.store, "unlink", None)
-    if callable(unlink):
-        unlink([chunk_id])
-        unlinked = True
-    return {"id": chunk_id, "deleted": True, "kv_entries_removed": removed, "unlinked": unlinked}
+    removed = rag.repo.forget([chunk])
+    return {"id": chunk_id, "deleted": True, "kv_entries_removed": removed, "unlinked": False}
 
 
 @router.delete("/v1/chunks/{chunk_id:path}")

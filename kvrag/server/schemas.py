@@ -37,7 +37,7 @@ class KVRagContext(BaseModel):
     chunk_ids: list[str] | None = None
     chunks: list[ChunkIn] | None = None
     method: str | None = None
-    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    recompute_ratio: float | Literal["auto"] | None = Field(default=None)  # checked by AnswerOptions: [0, 1] or "auto"
     kv_kind: Literal["chunk", "similarity"] | None = None
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
 
