@@ -116,8 +116,10 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="quality and speed of methods x recompute ratios on a JSONL dataset (`bench speed`: TTFT vs context length)",
     )
-    bench.add_argument("mode", nargs="?", choices=("quality", "speed"), default="quality",
-                       help="quality (default): a dataset, every setting; speed: TTFT vs context length only")
+    bench.add_argument("mode", nargs="?", choices=("quality", "speed", "store"), default="quality",
+                       help="quality (default): a dataset, every setting; speed: TTFT vs context length only; "
+                       "store: each store tier's read bandwidth beside plain file reads and host-to-device copies")
+    bench.add_argument("--redis", default=None, help="bench store: also measure this Redis URL")
     bench.add_argument("--data", default=None, help="JSONL shaped like shared/data/*.jsonl (default with --quick: the bundled sample)")
     bench.add_argument("--n", type=int, default=100, help="examples (seeded sample)")
     bench.add_argument("--seed", type=int, default=0)

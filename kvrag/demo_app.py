@@ -19,6 +19,8 @@ from typing import Any
 
 import streamlit as st
 
+from kvrag.eval.metrics import agreement, first_token_kl
+from kvrag.options import DEFAULT_METHOD
 from kvrag.cli import _quiet_libraries, sample_questions
 from kvrag.demo.ingest import (  # noqa: F401  (re-exported for callers of the old single module)
     CHUNK_TOKENS,
@@ -49,7 +51,6 @@ from kvrag.types import AnswerStats, Chunk
 _quiet_libraries()  # before the model/embedder imports below: offline, no progress bars
 
 BASELINE = "full"
-DEFAULT_METHOD = "cacheblend"
 DEFAULT_RATIO = 0.15
 DEFAULT_K = 5
 DEFAULT_MAX_NEW_TOKENS = 48
@@ -120,6 +121,7 @@ class Result:
     sides: list[Side]
     chunks: list[ChunkView]
     ratio: float
+    kl: float = 0.0  # first-token KL divergence of the method from Full Attention
 
     def to_state(self) -> dict[str, Any]:
         """Plain dicts for session state: a rerun re-executes this script, so its classes are new objects."""
@@ -134,6 +136,7 @@ class Result:
                 sides=[Side(**s) for s in data["sides"]],
                 chunks=[ChunkView(**c) for c in data["chunks"]],
                 ratio=data["ratio"],
+                kl=float(data.get("kl", 0.0)),
             )
         except (KeyError, TypeError):
             return None
@@ -178,8 +181,14 @@ def show_side(side: Side, ratio: float) -> None:
 
 
 def show_speedup(result: Result) -> None:
+    """The speed-up, and beside it how close the fast answer is to Full Attention's: a fast wrong
+    answer is worth nothing, so the two are never shown apart."""
     method = result.sides[0].method
-    st.metric(f"Speed-up in TTFT (Full ÷ {method})", f"{result.speedup:.1f}×")
+    same = agreement(result.sides[0].text, result.sides[1].text)
+    speed, close, kl = st.columns(3)
+    speed.metric(f"Speed-up in TTFT (Full ÷ {method})", f"{result.speedup:.1f}×")
+    close.metric("Same answer as Full Attention", "yes" if same else "no")
+    kl.metric("First-token KL from Full Attention", f"{result.kl:.3f}", help="0 means the first token's distribution is identical")
 
 
 def show_chunks(result: Result) -> None:
@@ -207,8 +216,9 @@ def ask(rag: Any, index: Any, question: str, method: str, ratio: float, top_k: i
     with left:
         side, pre = answer_side(rag, question, chunks, method, ratio, max_new)
     with right:
-        full, _ = answer_side(rag, question, chunks, BASELINE, ratio, max_new)
-    result = Result(question, [side, full], chunk_views(rag, pre), ratio)
+        full, full_pre = answer_side(rag, question, chunks, BASELINE, ratio, max_new)
+    kl = first_token_kl(full_pre.logits, pre.logits)
+    result = Result(question, [side, full], chunk_views(rag, pre), ratio, kl)
     show_speedup(result)
     show_chunks(result)
     return result

@@ -16,6 +16,7 @@ from kvrag.eval.data import load_examples, sample_examples
 from kvrag.eval.deviation import deviation_study
 from kvrag.eval.report import load_records, markdown_table, merge_records, summarize, write_report
 from kvrag.eval.runner import Setting, hardware, make_settings, parse_method, run, split_methods
+from kvrag.eval.store_bench import run_store_bench, store_markdown
 from kvrag.eval.speed import RANDOM_WEIGHTS_NOTE, parse_sizes, random_model, speed_markdown, speed_sweep, write_speed
 from kvrag.model import load_model
 
@@ -35,6 +36,9 @@ def _bench_defaults(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.mode == "store":  # each tier's read bandwidth beside plain file reads and host-to-device copies
+        print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
+        return 0
     _bench_defaults(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
