@@ -171,7 +171,25 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--out", required=True)
     sb.add_argument("--redis", default=None, help="also measure this Redis URL (e.g. redis://127.0.0.1:6379/0)")
     sb.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+    for name, sub_parser in sub.choices.items():  # every --help shows defaults and one example
+        sub_parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        if not sub_parser.epilog and name in EXAMPLES:
+            sub_parser.epilog = f"example: {EXAMPLES[name]}"
     return parser
+
+
+EXAMPLES = {
+    "ingest": "kvrag ingest docs/ notes.md --store redis://127.0.0.1:6379/0",
+    "ask": 'kvrag ask "When did the Brannoch Line open?" --method a3 --recompute-ratio auto --json',
+    "quickstart": "kvrag quickstart --question \"Who built the Brannoch Line?\"",
+    "methods": "kvrag methods",
+    "bench": "kvrag bench --data ../shared/data/nq10_dev.jsonl --n 100 --ratios 0.15 --out bench-out/nq10",
+    "demo": "kvrag demo --port 8501",
+    "bench-deviation": "kvrag bench-deviation --data ../shared/data/nq10_dev.jsonl --n 10",
+    "bench-store": "kvrag bench-store --out bench-out/store",
+    "check-model": "kvrag check-model /path/to/model --device cuda --dtype bfloat16",
+    "train-links": "kvrag train-links --data ../shared/data/nq10_dev.jsonl --mode links --out runs/links",
+}
 
 
 def _open(args: argparse.Namespace):
