@@ -108,7 +108,9 @@ class DiskStore(ByteStore):
         quantize: bool = False,
         pin: bool = False,
         threads: int | None = None,
+        clean_temp: bool = True,
     ) -> None:
+        """`clean_temp=False` leaves stale temp files alone on open (`kvrag store` lists them first)."""
         super().__init__(quantize=quantize)
         self.root = Path(root).expanduser()
         self.url = url or f"disk://{self.root}"
@@ -121,7 +123,7 @@ class DiskStore(ByteStore):
         self.buffers = BufferPool(pin=pin)
         self.threads = max(1, threads or min(4, (os.cpu_count() or 1) - 1))  # leave a core to the model
         self._pool: ThreadPoolExecutor | None = None
-        self.temp_cleaned = self.clean_temp()
+        self.temp_cleaned = self.clean_temp() if clean_temp else 0
         self._size: int | None = None  # running estimate, rescanned when over the cap
 
     def _path(self, key: str) -> Path:
@@ -281,6 +283,11 @@ class DiskStore(ByteStore):
     def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
         for uid, key in zip(user_ids, keys):
             atomic_write(self._ref(uid), key.encode())
+
+    def unlink(self, user_ids: Sequence[str]) -> None:
+        """Drop these ids from the node-id index (their entries stay)."""
+        for uid in user_ids:
+            self._ref(str(uid)).unlink(missing_ok=True)
 
     def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
         out: list[str | None] = []

@@ -259,6 +259,11 @@ class RedisStore(ByteStore):
         values = self._call("index read", lambda: self.client.hmget(_INDEX, list(user_ids)), [None] * len(user_ids))
         return [self._as_key(v) for v in values]
 
+    def unlink(self, user_ids: Sequence[str]) -> None:
+        """Drop these ids from the node-id index (their entries stay)."""
+        if user_ids:
+            self._call("index write", lambda: self.client.hdel(_INDEX, *[str(u) for u in user_ids]), None)
+
     @staticmethod
     def _as_key(value: Any) -> str | None:
         try:

@@ -72,15 +72,20 @@ def _to_chunk(id_: str, document: str | None, metadata: Mapping[str, Any] | None
 class ChunkIndex:
     """Chunks stored on disk under `path`, searchable by meaning.
 
-    Upserts are keyed by chunk id, so re-ingesting the same documents is idempotent.
+    `path` defaults to `$KVRAG_HOME/chroma` (the index `kvrag ingest` fills); a leading `~` is the
+    home folder. Upserts are keyed by chunk id, so re-ingesting the same documents is idempotent.
     """
 
-    def __init__(self, path: str | os.PathLike[str], collection: str = "kvrag_chunks") -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, collection: str = "kvrag_chunks") -> None:
         if len(collection) < 3:
             raise ValueError(f"collection name must have at least 3 characters, got {collection!r}")
         import chromadb
 
-        self.path = os.fspath(path)
+        if path is None:
+            from kvrag.model import kvrag_home
+
+            path = kvrag_home() / "chroma"
+        self.path = os.path.expanduser(os.fspath(path))
         os.makedirs(self.path, exist_ok=True)
         # Telemetry off: nothing should leave the machine.
         self._client = chromadb.PersistentClient(
@@ -146,14 +151,18 @@ class ChunkIndex:
         found = {i: _to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas)}
         return [found[i] for i in wanted if i in found]
 
+    def by_source(self, source: str) -> list[Chunk]:
+        """Every chunk whose metadata `source` is this path (as given to `kvrag ingest`)."""
+        result = self._collection.get(where={"source": source}, include=["documents", "metadatas"])
+        docs = result.get("documents") or [None] * len(result["ids"])
+        metas = result.get("metadatas") or [None] * len(result["ids"])
+        return [_to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas)]
+
     def remove(self, ids: Sequence[str] = (), source: str | None = None) -> list[Chunk]:
         """Delete chunks by id and/or every chunk whose metadata `source` is this path; returns what was deleted."""
         gone = self.get(ids) if ids else []
         if source is not None:
-            result = self._collection.get(where={"source": source}, include=["documents", "metadatas"])
-            docs = result.get("documents") or [None] * len(result["ids"])
-            metas = result.get("metadatas") or [None] * len(result["ids"])
-            gone += [_to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas) if i not in {c.id for c in gone}]
+            gone += [c for c in self.by_source(source) if c.id not in {g.id for g in gone}]
         if gone:
             self._collection.delete(ids=[c.id for c in gone])
         return gone
