@@ -171,6 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--out", required=True)
     sb.add_argument("--redis", default=None, help="also measure this Redis URL (e.g. redis://127.0.0.1:6379/0)")
     sb.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+    from kvrag.store_admin import add_store_parser
+
+    add_store_parser(sub)
     for name, sub_parser in sub.choices.items():  # every --help shows defaults and one example
         sub_parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
         if not sub_parser.epilog and name in EXAMPLES:
@@ -428,7 +431,14 @@ COMMANDS = {
     "methods": cmd_methods,
     "bench": cmd_bench,
     "serve": lambda args: _serve(args),
+    "store": lambda args: _store(args),
 }
+
+
+def _store(args: argparse.Namespace) -> int:
+    from kvrag.store_admin import cmd_store
+
+    return cmd_store(args)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -56,6 +56,17 @@ class Resolved:
     loaded: dict[int, KVEntry] = field(default_factory=dict)
 
 
+def check_fits(lm: LoadedModel, layout: PromptLayout, chunks: Sequence[Chunk], token_ids: Sequence[Sequence[int]]) -> None:
+    """A chunk longer than the model's context (less the prefix and room for a question) is refused before any compute."""
+    room = lm.max_context - len(layout.prefix_ids) - QUESTION_ROOM
+    for c, ids in zip(chunks, token_ids):
+        if len(ids) > room:
+            raise ContextTooLongError(
+                f"chunk {c.id!r} has {len(ids)} tokens but at most {room} fit in the model's context with a question: "
+                "split it into smaller chunks (kvrag.documents caps chunks at 256 tokens by default)"
+            )
+
+
 class KVRepository:
     """Chunks by id and their KV: keys from (model, layout, kind, token ids), validated entries, misses computed."""
 
@@ -256,23 +267,13 @@ class KVRepository:
         missing = [i for i, k in enumerate(resolved.keys) if not self.guarded.contains(k)]
         report.already_cached = len(resolved.chunks) - len(missing)
         if missing:
-            self._check_fits([resolved.chunks[i] for i in missing], [resolved.token_ids[i] for i in missing])
+            check_fits(self.lm, self.layout, [resolved.chunks[i] for i in missing], [resolved.token_ids[i] for i in missing])
             self.compute_and_store(resolved, missing, batch_size, progress, kind, [context[i] for i in missing] if context else None)
             report.not_stored = [resolved.chunks[i].id for i in missing if not self.guarded.contains(resolved.keys[i])]
             report.computed = len(missing)
             report.tokens = sum(len(resolved.token_ids[i]) for i in missing)
         report.seconds = time.perf_counter() - t0
         return report
-
-    def _check_fits(self, chunks: Sequence[Chunk], token_ids: Sequence[Sequence[int]]) -> None:
-        """A chunk longer than the model's context (less the prefix and room for a question) is refused before any compute."""
-        room = self.lm.max_context - len(self.layout.prefix_ids) - QUESTION_ROOM
-        for c, ids in zip(chunks, token_ids):
-            if len(ids) > room:
-                raise ContextTooLongError(
-                    f"chunk {c.id!r} has {len(ids)} tokens but at most {room} fit in the model's context with a question: "
-                    "split it into smaller chunks (kvrag.documents caps chunks at 256 tokens by default)"
-                )
 
     def _neighbour_context(
         self, chunks: list[Chunk], neighbours: Mapping[str, Sequence[str]] | None, top_n: int, index: Any
