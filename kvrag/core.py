@@ -101,7 +101,7 @@ class KVRagCore:
 
     def forget(self, chunks: Sequence[Chunk]) -> int:
         """Remove chunks: from the registry and their KV from the store (returns entries deleted)."""
-        return self.repo.forget(chunks)
+        return self.repo.forget(self.repo.resolve([c for c in chunks if c.text.strip()]))
 
     # -- answering --------------------------------------------------------------------------------
     def prefill(

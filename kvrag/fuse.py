@@ -110,7 +110,9 @@ def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments,
     n_prefix, total = pk.shape[2], segments.context_len
     kbuf = pk.new_empty(*pk.shape[:2], total + reserve, pk.shape[3])
     vbuf = pv.new_empty(*pv.shape[:2], total + reserve, pv.shape[3])
-    keys, values = kbuf[:, :, :total], vbuf[:, :, :total]
+    # with no room asked for, the buffers are the context itself (not views: training writes
+    # tensors that carry gradients into them, which autograd allows on a leaf but not a view of one)
+    keys, values = (kbuf[:, :, :total], vbuf[:, :, :total]) if reserve else (kbuf, vbuf)
     room = (kbuf, vbuf) if reserve > 0 else None
     if not chunks:
         keys[:, :, :n_prefix] = pk

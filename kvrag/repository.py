@@ -154,16 +154,13 @@ class KVRepository:
         if chunks:
             self.guarded.link([f"{self.namespace}/{c.id}" for c in chunks], self.resolve(chunks).keys)
 
-    def forget(self, chunks: Sequence[Chunk]) -> int:
-        """Drop these chunks from the registry and delete their plain KV entries; returns entries deleted."""
+    def forget(self, resolved: Resolved) -> int:
+        """Drop these chunks from the registry and delete their KV entries; returns entries deleted."""
         deleted = 0
-        for c in chunks:
+        for c, ids in zip(resolved.chunks, resolved.token_ids):
             with self._registry_lock:
                 self.chunks.pop(c.id, None)
                 context = self.similarity_context.pop(c.id, None)
-            if not c.text.strip():
-                continue
-            ids = self.layout.chunk_ids(c)
             keys = [self.key(KIND_CHUNK, ids)] + ([self.key(KIND_SIMILARITY, ids, context)] if context else [])
             for key in keys:
                 if self.guarded.contains(key):

@@ -16,6 +16,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.vectorstores import InMemoryVectorStore
 
+from kvrag.options import DEFAULT_METHOD
 from kvrag import KVRag, from_model
 from kvrag.integrations.langchain import ChatKVRag, create_kvrag_chain, documents_to_chunks
 from tiny import tiny_model, tiny_tokenizer
@@ -127,7 +128,7 @@ def test_documents_kwarg_reuses_precomputed_kv(rag: KVRag, llm: ChatKVRag) -> No
     rag.precompute(chunks, progress=False)
     msgs = [SystemMessage("Be brief."), HumanMessage("unrelated"), AIMessage("ok"), HumanMessage(Q)]
     stats = llm.invoke(msgs, documents=DOCS).response_metadata["stats"]
-    assert stats["path"] == "chunk" and stats["method"] == "reuse"
+    assert stats["path"] == "chunk" and stats["method"] == DEFAULT_METHOD  # issue #17: the best measured fast setting
     assert stats["cache_hits"] == 3 and stats["cache_misses"] == 0 and stats["chunk_prefill_tokens"] == 0
     # per-call method, ratio and method parameters
     a3 = llm.invoke(Q, documents=DOCS, method="a3", recompute_ratio=0.5, layer=1).response_metadata["stats"]

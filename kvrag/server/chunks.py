@@ -59,10 +59,10 @@ def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
     resolves to a missing entry, i.e. an unknown chunk either way.
     """
     try:
-        chunk = rag.repo.lookup([chunk_id], None).chunks[0]
+        resolved = rag.repo.lookup([chunk_id], None)  # with the token ids the entry was stored under
     except ChunkNotFoundError:
         return None
-    removed = rag.repo.forget([chunk])
+    removed = rag.repo.forget(resolved)
     return {"id": chunk_id, "deleted": True, "kv_entries_removed": removed, "unlinked": False}
 
 

@@ -100,6 +100,9 @@ def answer_options(req: ChatRequest, settings: ServerSettings) -> AnswerOptions:
         kwargs["kv_kind"] = ctx.kv_kind
     try:
         opts = AnswerOptions.from_kwargs(**kwargs)
+    except (ValueError, TypeError) as exc:  # a ratio, kind or decode setting out of range
+        raise APIError(400, str(exc), "invalid_request") from None
+    try:
         opts.resolved_method()  # unknown method or parameter: ValueError / TypeError with the engine's message
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc), "invalid_method") from None
