@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 
+from .redis_options import redact_url
 from .base import CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
 from .byte_store import ByteStore
 from .disk import DEFAULT_MAX_BYTES, DiskStore
@@ -175,6 +176,6 @@ def open_store(url: str | None = None, default_root: str | Path | None = None, d
             threads=_int(q, "threads", url),
         )
     raise StoreError(
-        f"unknown store URL scheme {scheme!r} in {url!r}; supported: memory://, host://, disk:///path, "
+        f"unknown store URL scheme {scheme!r} in {redact_url(url)!r}; supported: memory://, host://, disk:///path, "
         "redis://host:port/db, rediss://, tiered://?tiers=..."
     )

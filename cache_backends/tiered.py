@@ -26,6 +26,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Sequence
 
+from .redis_options import redact_url
 from .base import KVEntry, KVStore, StoreStats, check_key
 from .memory import MemoryStore
 
@@ -52,7 +53,7 @@ class TieredStore:
             base = tier_name(t)
             names.append(base if base not in names else f"{base}{len(names)}")
         self.names = names
-        self.url = url or "tiered://?tiers=" + "|".join(t.url for t in tiers)
+        self.url = redact_tiers(url) if url else "tiered://?tiers=" + "|".join(t.url for t in tiers)  # no password in clear
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvrag-prefetch")
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
@@ -176,3 +177,11 @@ class TieredStore:
             close = getattr(t, "close", None)
             if callable(close):
                 close()
+
+
+def redact_tiers(url: str) -> str:
+    """A tiered URL with every tier's credentials replaced by ***."""
+    head, sep, tiers = url.partition("tiers=")
+    if not sep:
+        return redact_url(url)
+    return head + sep + "|".join(redact_url(t) if "@" in t or "password=" in t else t for t in tiers.split("|"))

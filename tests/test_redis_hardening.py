@@ -242,3 +242,13 @@ def test_wrong_type_value_is_a_miss_not_an_exception(server):
     store.client.set("kvrag:index", "not a hash")
     assert store.resolve(["a"]) == [None]
     store.link(["a"], [content_key("a")])  # skipped with a warning, never raised
+
+
+def test_tiered_and_unknown_store_urls_never_show_a_password():
+    from kvrag.cache_backends import open_store
+
+    store = open_store("tiered://?tiers=memory://|redis://:sekret@127.0.0.1:1/0")
+    assert "sekret" not in store.url and store.url.startswith("tiered://?tiers=memory://|redis://")
+    with pytest.raises(Exception) as info:
+        open_store("bogus://user:sekret@host/")
+    assert "sekret" not in str(info.value)

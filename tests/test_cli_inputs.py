@@ -1,0 +1,48 @@
+"""Issue #18 through the CLI: clear errors for bad input, an ingest that could not store says so, and
+`kvrag remove` takes a document out of the index and the store."""
+
+import socket
+
+import pytest
+
+from kvrag.cli import main
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_mistyped_method_parameter_is_an_error_not_a_traceback(capsys):
+    assert main(["ask", "Why?", "--method", "a3", "--param", "layr=2"]) == 2
+    err = capsys.readouterr().err
+    assert "layr" in err and "Traceback" not in err
+
+
+def test_top_k_zero_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["ask", "Why?", "-k", "0"])
+    assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.smollm
+def test_ingest_refuses_binary_text_files_and_reports_kv_it_could_not_store(tmp_path, capsys, smollm):
+    binary = tmp_path / "program.txt"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
+    common = ["--collection", "cli_inputs", "--device", "cpu"]
+    assert main(["ingest", *common, "--store", f"disk://{tmp_path / 'kv'}", str(binary)]) == 2
+    assert "program.txt" in capsys.readouterr().err
+
+    doc = tmp_path / "notes.md"
+    doc.write_text("The Brannoch Line is a mountain railway that opened in 1893.\n", encoding="utf-8")
+    down = f"redis://127.0.0.1:{_closed_port()}/0?connect_timeout=0.2&socket_timeout=0.2"
+    assert main(["ingest", *common, "--store", down, str(doc)]) == 1
+    assert "was not stored" in capsys.readouterr().err
+
+    store = f"disk://{tmp_path / 'kv'}"
+    assert main(["ingest", *common, "--store", store, str(doc)]) == 0
+    capsys.readouterr()
+    assert main(["remove", *common, "--store", store, str(doc)]) == 0
+    assert "1 chunks removed from the index, 1 KV entries deleted" in capsys.readouterr().err
+    assert main(["remove", *common, "--store", store, str(doc)]) == 1  # nothing left to remove
