@@ -172,9 +172,14 @@ demo_app.open_or_stop(demo_app.Settings("reuse", 0.1, 3, 8, "redis://:pw@127.0.0
 
 
 def test_the_page_shows_a_generic_error_for_an_unreachable_store():
+    import kvrag.cache_backends as cb
     from streamlit.testing.v1 import AppTest
 
-    at = AppTest.from_string(_OPEN_SCRIPT, default_timeout=60).run()
+    real = cb.open_store  # the script replaces it in this process: put it back for the tests after this one
+    try:
+        at = AppTest.from_string(_OPEN_SCRIPT, default_timeout=60).run()
+    finally:
+        cb.open_store = real
     assert not at.exception, [e.value for e in at.exception]
     errors = [e.value for e in at.error]
     assert errors == ["Cannot use the KV store 'redis://:***@127.0.0.1:22/0': could not open the store at redis://:***@127.0.0.1:22/0"]
