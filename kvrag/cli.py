@@ -14,36 +14,13 @@ from pathlib import Path
 from typing import Sequence
 
 from kvrag.documents import DEFAULT_MAX_CHUNK_TOKENS
+from kvrag.cli_types import positive_int, ratio_or_auto
 from kvrag.decode import STOP_RULES
 from kvrag.errors import KVRagError
 from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT
 from kvrag.samples import sample_corpus_dir, sample_questions
 
 DEFAULT_K = 5
-
-
-def _ratio(text: str) -> float | str:
-    """argparse type: a recompute ratio in [0, 1] or 'auto'."""
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _quiet_libraries() -> None:
@@ -83,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     _server_option(ing)
     ing.add_argument("paths", nargs="+", help=".txt/.md/.jsonl files or folders")
     ing.add_argument("--max-words", type=int, default=120, help="target chunk size in words (default 120)")
-    ing.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_CHUNK_TOKENS,
+    ing.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_CHUNK_TOKENS,
                      help=f"hard cap on a chunk's tokens (default {DEFAULT_MAX_CHUNK_TOKENS})")
-    ing.add_argument("--batch-size", type=_positive, default=8, help="chunks per forward pass (default 8)")
+    ing.add_argument("--batch-size", type=positive_int, default=8, help="chunks per forward pass (default 8)")
 
     rm = sub.add_parser("remove", help="remove ingested documents: their chunks from the index and their KV from the store",
                         epilog="example: kvrag remove notes.md")
@@ -97,9 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     _server_option(ask)
     ask.add_argument("question")
     ask.add_argument("--method", default=DEFAULT_METHOD, help=f"full, reuse, ... (see `kvrag methods`; default {DEFAULT_METHOD})")
-    ask.add_argument("--recompute-ratio", type=_ratio, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
+    ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
-    ask.add_argument("-k", "--top-k", type=_positive, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
+    ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--json", action="store_true", help="print answer and stats as one JSON object")

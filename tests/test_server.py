@@ -391,3 +391,12 @@ def test_stream_via_server_mirrors_the_local_engine(live, rag):
     assert stats.method == "epic" and stats.recomputed_tokens == local.stats.recomputed_tokens
     plain = stream_via_server(live.url, "Hello", options=opts).answer()
     assert plain.stats.path == "plain" and plain.stats.generated_tokens >= 1
+
+
+def test_auto_ratio_and_stop_rule_travel_through_the_client(live):
+    from kvrag.options import AnswerOptions
+    from kvrag.server.client import stream_via_server
+
+    opts = AnswerOptions.from_kwargs(method="a3", recompute_ratio="auto", stop_at="none", max_new_tokens=3)
+    out = stream_via_server(live.url, THREE_Q, chunks=THREE_CHUNKS, options=opts).answer()
+    assert out.stats.method == "a3" and 0 < out.stats.recompute_ratio <= 0.31

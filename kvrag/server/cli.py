@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvrag.cli_types import ratio_or_auto
 from kvrag.server.settings import ServerSettings
 
 EPILOG = """example:
@@ -37,7 +38,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-chunks", type=int, default=d.max_chunks, help="chunks per request (413 above)")
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens, help="tokens of text per request (413 above)")
     p.add_argument("--method", default=d.method, help="method when a request names none (see `kvrag methods`)")
-    p.add_argument("--recompute-ratio", type=float, default=d.recompute_ratio, help="recompute ratio when a request gives none")
+    p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
     return p
 

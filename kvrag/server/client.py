@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterable, Iterator, Sequence
 
+from kvrag.auto_ratio import AutoRatio
 from kvrag.errors import KVRagError
 from kvrag.options import AnswerOptions
 from kvrag.types import Answer, AnswerStats, Chunk
@@ -137,7 +138,8 @@ def request_body(
         body["stop"] = list(dec.stop)
     if dec.seed is not None:
         body["seed"] = dec.seed
-    ctx: dict[str, Any] = {"method": method, "recompute_ratio": opts.recompute_ratio, "kv_kind": opts.kv_kind,
+    ratio = "auto" if isinstance(opts.recompute_ratio, AutoRatio) else opts.recompute_ratio
+    ctx: dict[str, Any] = {"method": method, "recompute_ratio": ratio, "kv_kind": opts.kv_kind, "stop_at": dec.stop_at,
                            "params": dict(opts.method_params)}
     if chunks is not None:
         ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]

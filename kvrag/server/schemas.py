@@ -39,6 +39,7 @@ class KVRagContext(BaseModel):
     method: str | None = None
     recompute_ratio: float | Literal["auto"] | None = Field(default=None)  # checked by AnswerOptions: [0, 1] or "auto"
     kv_kind: Literal["chunk", "similarity"] | None = None
+    stop_at: Literal["none", "line", "sentence"] | None = None  # when the answer is complete (default: the server's)
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
 
     @property
@@ -98,6 +99,8 @@ def answer_options(req: ChatRequest, settings: ServerSettings) -> AnswerOptions:
     )
     if ctx.kv_kind is not None:
         kwargs["kv_kind"] = ctx.kv_kind
+    if ctx.stop_at is not None:
+        kwargs["stop_at"] = ctx.stop_at
     try:
         opts = AnswerOptions.from_kwargs(**kwargs)
     except (ValueError, TypeError) as exc:  # a ratio, kind or decode setting out of range

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Sequence
 
 
+from kvrag.cli_types import nonneg_float, positive_int
 from kvrag.cache_backends.disk import STALE_TEMP_S
 from kvrag.errors import KVRagError
 
@@ -23,26 +24,6 @@ def _default_store() -> str:
     from kvrag.model import kvrag_home
 
     return os.environ.get("KVRAG_STORE") or f"disk://{kvrag_home() / 'kv'}"
-
-
-def _nonneg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _limit(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -72,7 +53,7 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
     common(ls)
     ls.add_argument("--model", default=None, help="only entries whose model fingerprint starts with this")
     ls.add_argument("--kind", default=None, choices=("chunk", "similarity", "prefix"), help="only entries of this kind")
-    ls.add_argument("--limit", type=_limit, default=None, help="at most this many lines")
+    ls.add_argument("--limit", type=positive_int, default=None, help="at most this many lines")
     ls.add_argument("--sort", default="age", choices=("age", "bytes", "key"), help="age: most recently used first")
 
     rm = sub.add_parser("rm", help="delete entries by key, by chunk id or by document (KV and index links only)", formatter_class=Fmt,
@@ -93,7 +74,7 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
                        formatter_class=Fmt, epilog="example: kvrag store gc --dry-run")
     common(g)
     g.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
-    g.add_argument("--min-age", type=_nonneg, default=STALE_TEMP_S,
+    g.add_argument("--min-age", type=nonneg_float, default=STALE_TEMP_S,
                    help="seconds: younger temp files (writers still running) and index links are kept")
     g.add_argument("--headers-only", action="store_true", help="skip reading every entry whole to verify its checksum")
     return store
