@@ -10,8 +10,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from kvrag.auto_ratio import AutoRatio
 from kvrag.errors import KVRagError
+from kvrag.pipeline import AnswerStream
 from kvrag.options import AnswerOptions
-from kvrag.types import Answer, AnswerStats, Chunk
+from kvrag.types import AnswerStats, Chunk
 
 
 class ServerError(KVRagError):
@@ -149,17 +150,17 @@ def request_body(
     return body
 
 
-class RemoteStream:
-    """`AnswerStream`'s interface over a server's SSE answer: iterate for text pieces; `.stats` is the
-    same object throughout and is filled in place when the last chunk arrives."""
+class RemoteStream(AnswerStream):
+    """An `AnswerStream` over a server's SSE answer: iterate for text pieces; `.stats` is the same
+    object throughout and is filled in place when the last chunk arrives."""
 
     def __init__(self, url: str, body: dict[str, Any], timeout: float = 300.0) -> None:
         self._resp = _open(url, "/v1/chat/completions", "POST", {**body, "stream": True}, timeout)
-        self.stats = AnswerStats()
-        self.chunk_ids = [c["id"] for c in body.get("kvrag", {}).get("chunks", ())] or list(body.get("kvrag", {}).get("chunk_ids", ()))
-        self.text = ""
+        ctx = body.get("kvrag", {})
+        chunk_ids = [c["id"] for c in ctx.get("chunks", ())] or list(ctx.get("chunk_ids", ()))
+        super().__init__(self._events(), AnswerStats(), chunk_ids)
 
-    def __iter__(self) -> Iterator[str]:
+    def _events(self) -> Iterator[str]:
         with self._resp as resp:
             for raw in resp:
                 line = raw.decode("utf-8").strip()
@@ -173,13 +174,7 @@ class RemoteStream:
                         setattr(self.stats, k, v)
                 piece = event["choices"][0]["delta"].get("content") if event.get("choices") else None
                 if piece:
-                    self.text += piece
                     yield piece
-
-    def answer(self) -> Answer:
-        for _ in self:
-            pass
-        return Answer(text=self.text.strip(), stats=self.stats, chunk_ids=self.chunk_ids)
 
 
 def stream_via_server(

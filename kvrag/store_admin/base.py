@@ -119,3 +119,12 @@ class StoreAdmin:
 
     def cap(self) -> dict[str, Any]:
         return {}
+
+
+def damage_of(entry: object) -> str | None:
+    """What a decoded read says about the entry: "stale: …" (an older format), "corrupt: …", or None (sound)."""
+    if isinstance(entry, StaleEntryError):
+        return f"stale: {entry}"
+    if isinstance(entry, CorruptEntryError):
+        return f"corrupt: {entry}"
+    return None

@@ -12,8 +12,8 @@ import torch
 from kvrag.cache_backends import DiskStore, StoreError
 from kvrag.cache_backends.base import CorruptEntryError, check_key
 from kvrag.cache_backends.disk import _O_FLAGS, _SUFFIX, _TEMP, read_entry
-from kvrag.cache_backends.format import MAX_HEADER_BYTES, StaleEntryError, header_length
-from kvrag.store_admin.base import EntryInfo, Link, StoreAdmin, TempFile
+from kvrag.cache_backends.format import MAX_HEADER_BYTES, header_length
+from kvrag.store_admin.base import EntryInfo, Link, StoreAdmin, TempFile, damage_of
 from kvrag.store_admin.base import HEAD_BYTES, _as_tensor, _header_meta
 
 
@@ -54,11 +54,7 @@ class DiskAdmin(StoreAdmin):
             entry, _ = read_entry(fd, torch.empty(size, dtype=torch.uint8)) if size else (CorruptEntryError("empty file"), 0)
         finally:
             os.close(fd)
-        if isinstance(entry, StaleEntryError):
-            return f"stale: {entry}"
-        if isinstance(entry, CorruptEntryError):
-            return f"corrupt: {entry}"
-        return None
+        return damage_of(entry)
 
     def links(self) -> list[Link]:
         out, now = [], time.time()

@@ -8,8 +8,8 @@ from typing import Any, Iterator, Sequence
 from kvrag.cache_backends import StoreError
 from kvrag.cache_backends.base import CorruptEntryError, check_key
 from kvrag.cache_backends.byte_store import decode_fetched
-from kvrag.cache_backends.format import MAX_HEADER_BYTES, StaleEntryError, header_length
-from kvrag.store_admin.base import EntryInfo, Link, StoreAdmin, TempFile
+from kvrag.cache_backends.format import MAX_HEADER_BYTES, header_length
+from kvrag.store_admin.base import EntryInfo, Link, StoreAdmin, TempFile, damage_of
 from kvrag.store_admin.base import _BATCH, HEAD_BYTES, _as_tensor, _header_meta
 
 
@@ -108,11 +108,7 @@ class RedisAdmin(StoreAdmin):
             if data is None:
                 return "corrupt: a part of this split entry is missing"
         entry, _ = decode_fetched(data)
-        if isinstance(entry, StaleEntryError):
-            return f"stale: {entry}"
-        if isinstance(entry, CorruptEntryError):
-            return f"corrupt: {entry}"
-        return None
+        return damage_of(entry)
 
     def links(self) -> list[Link]:
         out = []
