@@ -24,8 +24,9 @@ import torch
 
 from kvrag.cache import SpliceCache, prefix_cache
 from kvrag.layout import Segments
-from kvrag.links import embed_with_links, link_mask
-from kvrag.masks import causal_mask_by_position
+from kvrag.attention import PassSpec, Rule, attending_by, uses_spec
+from kvrag.links import embed_with_links, link_picture
+from kvrag.masks import additive, causal_allowed
 from kvrag.model import LoadedModel
 from kvrag.precompute import LayerStack, unstack_layers
 from kvrag.rope import Rotary
@@ -162,30 +163,31 @@ def forward_pass(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     key_pos: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
+    rule: Rule | None = None,
     inputs_embeds: torch.Tensor | None = None,
+    name: str = "pass",
 ):
-    """One forward of tokens at `positions` over `cache` whose slots sit at `key_pos`, causal by
-    position unless `attention_mask` is given; `inputs_embeds` replaces the ids' embeddings."""
-    if attention_mask is None:
-        attention_mask = causal_mask_by_position(positions, key_pos, lm.dtype)
+    """One forward of tokens at `positions` over `cache` whose slots sit at `key_pos`: causal by
+    position, or by `rule` (positions -> boolean [q, kv]); `inputs_embeds` replaces the ids' embeddings.
+
+    On `kvrag_sdpa` models the pass attends in query blocks by position (kvrag.attention: no mask
+    over the whole pass); on eager models it hands the model the dense additive mask."""
     inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": input_ids}
-    return lm.model(
-        **inputs,
-        position_ids=positions[None],
-        attention_mask=attention_mask,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    run = dict(position_ids=positions[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if uses_spec(lm.model):
+        with attending_by(PassSpec(positions, key_pos, rule, name)) as marker:
+            return lm.model(**inputs, attention_mask=marker, **run)
+    allowed = causal_allowed(positions, key_pos) if rule is None else rule(positions, key_pos)
+    return lm.model(**inputs, attention_mask=additive(allowed, lm.dtype)[None, None], **run)
 
 
-def pass_mask(stitched: Stitched, positions: torch.Tensor, key_pos: torch.Tensor, selected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The recompute pass's additive mask: causal by position, or KVLink's picture when there are
-    link slots (selected chunk tokens are recomputed, so they are global rows of the picture)."""
+def pass_rule(stitched: Stitched, selected: torch.Tensor) -> Rule | None:
+    """The recompute pass's attention rule: causal by position (None), or KVLink's picture when there
+    are link slots (selected chunk tokens are recomputed, so they are global rows of the picture)."""
     if not stitched.segments.links:
-        return causal_mask_by_position(positions, key_pos, dtype)
-    return link_mask(stitched.segments, positions, key_pos, dtype, global_rows=selected)
+        return None
+    segments = stitched.segments
+    return lambda query_pos, key_pos: link_picture(segments, query_pos, key_pos, global_rows=selected)
 
 
 @torch.no_grad()
@@ -215,7 +217,7 @@ def recompute(
     cache = stitched.splice_cache()
     exact = torch.isin(rows, links) if links.numel() else None
     cache.overwrite(stitched.slots_of(rows).to(device) if rows.numel() else None, mode=update, exact=exact)
-    out = forward_pass(lm, cache, input_ids, positions, key_pos, pass_mask(stitched, positions, key_pos, selected, lm.dtype), embeds)
+    out = forward_pass(lm, cache, input_ids, positions, key_pos, pass_rule(stitched, selected), embeds, name="recompute")
     cache.overwrite(None)
     return PrefillOutput(out.logits[0, -1].float(), cache, stitched.segments.total_len)
 
@@ -228,6 +230,6 @@ def full_prefill(lm: LoadedModel, prefix: LayerStack, segments: Segments, reserv
     cache = prefix_cache(unstack_layers(*prefix), reserve=segments.total_len - len(segments.prefix) + reserve)
     s = len(segments.prefix)
     ids = torch.tensor(segments.all_ids()[s:], device=device)[None]
-    positions = torch.arange(s, segments.total_len, device=device)[None]
-    out = lm.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    positions = torch.arange(s, segments.total_len, device=device)
+    out = forward_pass(lm, cache, ids, positions, torch.arange(segments.total_len, device=device), name="full")
     return PrefillOutput(out.logits[0, -1].float(), cache, segments.total_len)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import xxhash
 
+from kvrag.attention import check_attention
 from kvrag.errors import ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ def load_model(
 def from_model(model: Any, tokenizer: Any, source: str = "user") -> LoadedModel:
     """Wrap an already loaded model (the path tests and power users take)."""
     check_supported(model)
+    check_attention(model)
     model.train(False)  # inference mode: no dropout
     return LoadedModel(model=model, tokenizer=tokenizer, fingerprint=model_fingerprint(model), source=source)
 

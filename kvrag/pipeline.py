@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from kvrag.attention import kernel_log
 from kvrag.cache import cache_kv, cache_nbytes
 from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
 from kvrag.errors import ContextTooLongError
@@ -81,8 +82,10 @@ class RequestPipeline:
     # -- prefill --------------------------------------------------------------------------------
     def prefill(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
         """Everything up to the first token's logits: load, stitch, select, recompute (under the model lock)."""
-        with self.lm.lock:
-            return self._prefill(question, resolved, opts)
+        with self.lm.lock, kernel_log() as kernels:
+            pre = self._prefill(question, resolved, opts)
+        pre.stats.attention_kernels = kernels
+        return pre
 
     def _prefill(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
         t0 = clock(self.lm.device)

@@ -123,7 +123,7 @@ def probe(
     cache.overwrite(stitched.slots_of(over).to(device) if over.numel() else None)
     result = ProbeResult(positions=positions, key_positions=key_pos)
     with capture_queries(lm, rotary, want, result, cache=cache, stop_after=last):
-        forward_pass(lm, cache, ids, positions, key_pos)
+        forward_pass(lm, cache, ids, positions, key_pos, name="probe")
     return result
 
 

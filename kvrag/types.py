@@ -42,6 +42,8 @@ class AnswerStats:
     kv_bytes: int = 0  # KV held by the decoding cache at its largest (end of decoding)
     path: str = ""
     tiers: dict[str, int] = field(default_factory=dict)  # chunks served per store tier ("disk": 3, "computed": 1)
+    # SDPA kernel per pass kind, in query blocks: {"recompute": {"flash_attention": 1}, "probe": {...}}
+    attention_kernels: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def decode_tokens_per_s(self) -> float:

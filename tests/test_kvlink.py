@@ -9,6 +9,9 @@ import random
 import pytest
 import torch
 
+from kvrag.attention import active_spec
+from kvrag.masks import additive
+
 from kvrag import Chunk, KVRag, from_model
 from kvrag.errors import AdapterMismatchError
 from kvrag.layout import LAYOUT_VERSION, Segments
@@ -64,7 +67,9 @@ def capture_masks(model):
     seen = []
 
     def hook(module, args, kwargs):
-        seen.append((kwargs.get("position_ids"), kwargs.get("attention_mask")))
+        spec = active_spec()  # kvrag_sdpa attends by the pass's rule: record it as the dense mask it replaces
+        mask = kwargs.get("attention_mask") if spec is None else additive(spec.dense_allowed(), torch.float32)[None, None]
+        seen.append((kwargs.get("position_ids"), mask))
 
     return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -132,7 +132,7 @@ def test_similarity_kind_falls_back_to_plain_entries():
 def test_probe_attention_equals_the_models_own_attention_weights():
     """The probe's softmax attention is what the eager attention computes inside the model."""
     from kvrag.cache import SpliceCache
-    from kvrag.fuse import causal_mask_by_position
+    from kvrag.masks import causal_mask_by_position
     from kvrag.precompute import unstack_layers
     from kvrag.probe import attention_probs
 
