@@ -1,15 +1,23 @@
-"""Greedy or sampled decoding from a prefilled cache, streaming text pieces, with stop strings."""
+"""Greedy or sampled decoding from a prefilled cache, streaming text pieces, with stop strings.
+
+Each token's forward is one of two steppers with the same call, `(token, position) -> logits`:
+`EagerStep` appends to the growing cache (the CPU default), `StaticDecoder` (kvrag.static_decode)
+writes into a fixed-capacity buffer with a fixed-shape step that a CUDA graph replays (the CUDA
+default, `DecodeConfig.static`). Token choice, stop rules and detokenisation are shared, so the two
+pick the same tokens from the same logits.
+"""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from kvrag.model import LoadedModel
+from kvrag.static_decode import StaticDecoder, supports
 
 
 @dataclass
@@ -20,6 +28,7 @@ class DecodeConfig:
     stop: Sequence[str] = ()
     seed: int | None = None
     stop_at: str = "none"  # "sentence": end after the first complete sentence; "line": at the first line break
+    static: bool | None = None  # static KV buffer + CUDA-graph step; None: on for CUDA, off elsewhere
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -30,6 +39,12 @@ class DecodeConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.stop_at not in STOP_RULES:
             raise ValueError(f"stop_at must be one of {sorted(STOP_RULES)}, got {self.stop_at!r}")
+        if self.static is not None and not isinstance(self.static, bool):
+            raise ValueError(f"static must be True, False or None (auto: on for CUDA), got {self.static!r}")
+
+    def static_on(self, device: torch.device) -> bool:
+        """Whether to decode with the static step on this device (auto: only CUDA gains from a graph)."""
+        return device.type == "cuda" if self.static is None else self.static
 
 
 _SENTENCE_END = re.compile(r"(?<!\b[A-Z])[.!?][\"')\]]*(?=\s)")
@@ -147,6 +162,42 @@ class DecodeState:
     finish_reason: str = ""
 
 
+class EagerStep:
+    """The growing-cache forward: the new token's K/V appended to `cache` (a SpliceCache writes into its room)."""
+
+    def __init__(self, lm: LoadedModel, cache: Any) -> None:
+        self.lm, self.cache = lm, cache
+
+    @torch.no_grad()
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        out = self.lm.model(
+            input_ids=torch.tensor([[token]], device=self.lm.device),
+            position_ids=torch.tensor([[position]], device=self.lm.device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits[0, -1]
+
+    def close(self) -> None:
+        """Nothing to hand back: the cache grew as it went."""
+
+
+Stepper = EagerStep | StaticDecoder
+
+
+def stepper(lm: LoadedModel, cache: Any, next_position: int, cfg: DecodeConfig, max_position: int | None = None) -> Stepper:
+    """The forward each decoded token takes: static (CUDA graph on CUDA) when `cfg` asks for it and the
+    cache allows it (see `kvrag.static_decode.supports`), else eager. Sized for the forwards this
+    decode can still take: one fewer than max_new_tokens (the first token comes from the prefill),
+    and none at or past `max_position`."""
+    if cfg.static_on(lm.device) and supports(cache):
+        steps = cfg.max_new_tokens - 1
+        if max_position is not None:
+            steps = min(steps, max_position - next_position)
+        return StaticDecoder(lm, cache, max(steps, 1))
+    return EagerStep(lm, cache)
+
+
 @torch.no_grad()
 def stream_tokens(
     lm: LoadedModel,
@@ -158,6 +209,40 @@ def stream_tokens(
     max_position: int | None = None,
 ) -> Iterator[str]:
     """Yield text pieces as tokens are generated; stops at eos, a stop string or max_new_tokens."""
+    forward = LazyStep(lambda: stepper(lm, cache, next_position, cfg, max_position))
+    try:
+        yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position)
+    finally:  # also when the stream is abandoned: the cache reads as decoded so far
+        forward.close()
+
+
+class LazyStep:
+    """A stepper made at the first forward (an answer that ends at its first token needs none)."""
+
+    def __init__(self, make: Callable[[], Stepper]) -> None:
+        self._make = make
+        self.step: Stepper | None = None
+
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        if self.step is None:
+            self.step = self._make()
+        return self.step(token, position)
+
+    def close(self) -> None:
+        if self.step is not None:
+            self.step.close()
+
+
+def _stream(
+    lm: LoadedModel,
+    forward: LazyStep,
+    first_logits: torch.Tensor,
+    next_position: int,
+    cfg: DecodeConfig,
+    state: DecodeState,
+    max_position: int | None,
+) -> Iterator[str]:
+    """The decode loop itself; `forward` is the only part that differs between eager and static."""
     tok = lm.tokenizer
     stops = [s for s in cfg.stop if s]
     hold = max((len(s) for s in stops), default=1) - 1
@@ -193,13 +278,7 @@ def stream_tokens(
         if step + 1 == cfg.max_new_tokens or (max_position is not None and pos >= max_position):
             state.finish_reason = "length"
             break
-        out = lm.model(
-            input_ids=torch.tensor([[token]], device=lm.device),
-            position_ids=torch.tensor([[pos]], device=lm.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = out.logits[0, -1]
+        logits = forward(token, pos)
         pos += 1
     else:
         state.finish_reason = state.finish_reason or "length"

@@ -16,7 +16,7 @@ KIND_SIMILARITY = "similarity"  # ... after the prefix and its most similar chun
 KIND_PREFIX = "prefix"
 CHUNK_KINDS = (KIND_CHUNK, KIND_SIMILARITY)
 
-DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at")
+DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static")
 
 # The default fast setting: the r = 0.15 method that recovered most of the reuse -> Full gap in the
 # 300-question nq10_dev run (docs/bench/nq10-300: normalised 0.35, vs 0.19 fusionrag, 0.08 epic).
@@ -33,9 +33,10 @@ def decode_config(
     stop: Sequence[str] | str | None = None,
     seed: int | None = None,
     stop_at: str = DEFAULT_STOP_AT,
+    static: bool | None = None,
 ) -> DecodeConfig:
     """A DecodeConfig from the keyword arguments users pass (`stop` may be one string)."""
-    return DecodeConfig(max_new_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop or ()), seed, stop_at)
+    return DecodeConfig(max_new_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop or ()), seed, stop_at, static)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class AnswerOptions:
         if dec:
             cur = base.decode
             merged = {"max_new_tokens": cur.max_new_tokens, "temperature": cur.temperature, "top_p": cur.top_p,
-                      "stop": list(cur.stop), "seed": cur.seed, "stop_at": cur.stop_at, **dec}
+                      "stop": list(cur.stop), "seed": cur.seed, "stop_at": cur.stop_at, "static": cur.static, **dec}
             fields["decode"] = decode_config(**merged)
         inherited = {} if "method" in fields else dict(base.method_params)  # another method: not the old one's parameters
         if kwargs or inherited != dict(base.method_params):

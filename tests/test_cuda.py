@@ -147,3 +147,80 @@ def test_kvlink_training_runs_on_cuda_and_its_adapter_serves(tmp_path, mode):
     tuned = KVRag(lm, store="memory://", check=False, link_adapter=res.adapter_path)
     ans = tuned.answer(Q, chunks=CHUNKS, method="kvlink", max_new_tokens=2)
     assert ans.stats.generated_tokens > 0 and tuned.lm.device.type == "cuda"
+
+
+# -- issue #22: the static decode step captured in a CUDA graph -----------------------------------
+# The CPU suite (tests/test_static_decode.py) runs the same StaticStep.run eagerly; only here is it captured.
+DECODE_PREFILLS = ["full", "cacheblend", "samkv"]  # Full Attention, a reuse prefill, SamKV's sparse stitched cache
+SAMPLINGS = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=7)]
+
+
+def decode_mode(rag, method, mode, monkeypatch, evict=None, max_new_tokens=24, **sampling):
+    """Tokens and finish reason of one decode: "growing" (the eager append path), "static" (the static
+    step run eagerly on the GPU) or "graph" (the same step captured and replayed); and the decoders made."""
+    import kvrag.decode as decode_mod
+    from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
+    from kvrag.static_decode import StaticDecoder
+
+    made = []
+
+    def make(lm, cache, steps):
+        made.append(StaticDecoder(lm, cache, steps, graph=mode == "graph"))
+        return made[-1]
+
+    monkeypatch.setattr(decode_mod, "StaticDecoder", make)
+    pre = rag.prefill(Q, IDS, method=method, evict=evict)
+    if evict is not None:
+        rag.pipeline._evict(pre, evict)
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens, static=mode != "growing", **sampling)
+    state = DecodeState()
+    for _ in stream_tokens(rag.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, rag.lm.max_context):
+        pass
+    return (state.token_ids, state.finish_reason), made
+
+
+@pytest.mark.parametrize("method", DECODE_PREFILLS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_decode_picks_the_eager_tokens_on_cuda(arch, method, monkeypatch):
+    """float32: the replayed graph, the static step run eagerly and the growing cache pick the same tokens."""
+    rag = make_rag(arch, torch.float32)
+    for sampling in SAMPLINGS:
+        growing, _ = decode_mode(rag, method, "growing", monkeypatch, **sampling)
+        static, _ = decode_mode(rag, method, "static", monkeypatch, **sampling)
+        graph, made = decode_mode(rag, method, "graph", monkeypatch, **sampling)
+        assert len(growing[0]) >= 8
+        assert made and made[0].replays == len(graph[0]) - (graph[1] != "eos")  # every forward replayed the graph
+        assert graph == static == growing
+
+
+@pytest.mark.parametrize("method", DECODE_PREFILLS)
+def test_graph_decode_equals_the_eager_static_step_in_bfloat16(method, monkeypatch):
+    """bfloat16: the graph replays the very kernels of the eager static step, so the tokens are the same."""
+    rag = make_rag("llama", torch.bfloat16)
+    for sampling in SAMPLINGS:
+        static, _ = decode_mode(rag, method, "static", monkeypatch, **sampling)
+        graph, made = decode_mode(rag, method, "graph", monkeypatch, **sampling)
+        assert made[0].replays > 0 and graph == static
+
+
+def test_graph_decode_after_snapkv_grows_the_room_on_cuda(monkeypatch):
+    """SnapKV's cache keeps 64 slots of room; 80 tokens make the static buffer grow once before capture."""
+    from kvrag.evict import SnapKV
+
+    rag = make_rag("qwen2", torch.float32)
+    growing, _ = decode_mode(rag, "reuse", "growing", monkeypatch, evict=SnapKV(budget=8), max_new_tokens=80)
+    graph, made = decode_mode(rag, "reuse", "graph", monkeypatch, evict=SnapKV(budget=8), max_new_tokens=80)
+    assert made[0].replays > 0 and graph == growing
+
+
+def test_cuda_answers_use_the_graph_by_default_and_match_the_eager_answer(monkeypatch):
+    import kvrag.decode as decode_mod
+
+    made, real = [], decode_mod.StaticDecoder
+    monkeypatch.setattr(decode_mod, "StaticDecoder", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    rag = make_rag("llama", torch.float32)
+    kw = dict(method="cacheblend", max_new_tokens=20, stop_at="none", temperature=0.7, seed=1)
+    auto = rag.answer(Q, IDS, **kw)  # DecodeConfig.static=None: on for CUDA
+    assert len(made) == 1 and made[0].graph and made[0].replays > 0
+    eager = rag.answer(Q, IDS, static=False, **kw)
+    assert len(made) == 1 and (auto.text, auto.stats.generated_tokens) == (eager.text, eager.stats.generated_tokens)
