@@ -7,6 +7,8 @@ request expects, and any mismatch is a miss that gets recomputed and replaced.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Sequence
 
 import torch
@@ -49,6 +51,33 @@ def entry_problem(
         stored = entry.token_ids.reshape(-1)
         if stored.numel() != len(token_ids) or not torch.equal(stored.cpu().to(torch.int64), torch.as_tensor(list(token_ids), dtype=torch.int64)):
             return "its token ids are another chunk's"
-    if not bool(torch.isfinite(entry.keys).all()) or not bool(torch.isfinite(entry.values).all()):
+    if not all_finite(entry.keys) or not all_finite(entry.values):
         return "non-finite values"
     return None
+
+
+# tensor id -> (a weak reference to it, its version counter when found finite). Memory tiers hand
+# back the same tensors on every hit, so each is scanned once while it lives and stays unmodified.
+_FINITE: dict[int, tuple[weakref.ref, int]] = {}
+_FINITE_LOCK = threading.Lock()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite; a tensor already found finite and not modified since
+    (same object, same in-place version) is not scanned again."""
+    key = id(t)
+    with _FINITE_LOCK:
+        seen = _FINITE.get(key)
+    if seen is not None and seen[0]() is t and seen[1] == t._version:
+        return True
+    if not bool(torch.isfinite(t).all()):
+        return False
+    with _FINITE_LOCK:
+        _FINITE[key] = (weakref.ref(t, lambda _ref, key=key: _forget(key, _ref)), t._version)
+    return True
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    with _FINITE_LOCK:
+        if key in _FINITE and _FINITE[key][0] is ref:
+            del _FINITE[key]

@@ -230,6 +230,7 @@ def full_prefill(lm: LoadedModel, prefix: LayerStack, segments: Segments, reserv
     cache = prefix_cache(unstack_layers(*prefix), reserve=segments.total_len - len(segments.prefix) + reserve)
     s = len(segments.prefix)
     ids = torch.tensor(segments.all_ids()[s:], device=device)[None]
-    positions = torch.arange(s, segments.total_len, device=device)
-    out = forward_pass(lm, cache, ids, positions, torch.arange(segments.total_len, device=device), name="full")
+    positions = torch.arange(s, segments.total_len, device=device)[None]
+    # the model's own attention and masks (sliding windows included): Full Attention is the reference
+    out = lm.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return PrefillOutput(out.logits[0, -1].float(), cache, segments.total_len)

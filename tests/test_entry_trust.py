@@ -138,3 +138,21 @@ def test_bad_input_gets_a_clear_error(kwargs, error):
     with pytest.raises(error) as info:
         rag.answer(Q, **kwargs)
     assert "must" in str(info.value) or "no tokens" in str(info.value)
+
+
+def test_the_finiteness_scan_runs_once_per_unmodified_tensor(monkeypatch):
+    """A memory tier hands back the same tensors on every hit: scanned once, again only after an in-place edit."""
+    import kvrag.entry_check as ec
+
+    t = torch.randn(2, 3, 4)
+    scans = []
+    real = torch.isfinite
+    monkeypatch.setattr(ec.torch, "isfinite", lambda x: scans.append(1) or real(x))
+    assert ec.all_finite(t) and ec.all_finite(t) and len(scans) == 1
+    t[0, 0, 0] = float("nan")  # an in-place write bumps the version: scanned again, and caught
+    assert not ec.all_finite(t) and len(scans) == 2
+    u = torch.randn(3)
+    assert ec.all_finite(u)
+    key = id(u)
+    del u
+    assert key not in ec._FINITE  # forgotten with the tensor
