@@ -22,7 +22,7 @@ class AnswerStats:
 
     method: str = ""
     ttft_s: float = 0.0
-    load_s: float = 0.0
+    load_s: float = 0.0  # until the KV is usable: on the device (eager), or on the host ready to feed layers (layerwise)
     stitch_s: float = 0.0
     select_s: float = 0.0
     recompute_s: float = 0.0
@@ -42,6 +42,11 @@ class AnswerStats:
     kv_bytes: int = 0  # KV held by the decoding cache at its largest (end of decoding)
     path: str = ""
     tiers: dict[str, int] = field(default_factory=dict)  # chunks served per store tier ("disk": 3, "computed": 1)
+    # layer-wise loading (kvrag.layer_feed): the per-layer copy + rotate work, and the part of it the
+    # passes waited for (inside select_s / recompute_s); layer_load_s - load_wait_s was hidden behind compute
+    layerwise: bool = False
+    layer_load_s: float = 0.0
+    load_wait_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
