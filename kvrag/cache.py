@@ -8,7 +8,8 @@ The stock decoder layers then do the recompute work for any Llama/Qwen/Mistral-s
 
 from __future__ import annotations
 
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -38,8 +39,14 @@ class SpliceLayer(DynamicLayer):
         self.overwrite_at: torch.Tensor | None = None
         self.mode = "overwrite"
         self.exact: torch.Tensor | None = None  # bool per overwritten slot: always overwrite, never blend
+        # called once, on this layer's first update, before its KV is written or read: a layer-wise
+        # feed (kvrag.layer_feed) fills the layer's stitched KV only when the pass reaches it
+        self.ready: Callable[[], None] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
+        if self.ready is not None:
+            ready, self.ready = self.ready, None
+            ready()
         idx = self.overwrite_at
         if idx is not None and idx.numel():
             n = idx.numel()
@@ -83,14 +90,20 @@ def _with_room(t: torch.Tensor, n: int, capacity: int) -> torch.Tensor:
 class SpliceCache(Cache):
     """A cache over stitched per-layer KV; see the module docstring."""
 
-    def __init__(self, kv: Sequence[KV], reserve: int = 0, lengths: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, kv: Sequence[KV], reserve: int = 0, lengths: Sequence[int] | None = None, ready: Callable[[int], None] | None = None
+    ) -> None:
         """`kv`: per-layer [1, kv_heads, slots, d] tensors, taken as they are (no copy) unless room
         must be made; `reserve`: slots to keep free for the question and the answer. With `lengths`,
-        each layer's tensors are buffers whose first `lengths[i]` slots hold the context (already with room)."""
+        each layer's tensors are buffers whose first `lengths[i]` slots hold the context (already with room).
+        `ready(i)`: called before layer i's first update (a layer-wise feed filling layer i's KV)."""
         if lengths is None:
             layers = [SpliceLayer(k, v, reserve) for k, v in kv]
         else:
             layers = [SpliceLayer(k, v, reserve, n) for (k, v), n in zip(kv, lengths)]
+        if ready is not None:
+            for i, layer in enumerate(layers):
+                layer.ready = partial(ready, i)
         super().__init__(layers=layers)
 
     def overwrite(self, slots: torch.Tensor | None, mode: str = "overwrite", exact: torch.Tensor | None = None) -> None:

@@ -18,11 +18,12 @@ probe) they are hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from kvrag.cache import SpliceCache, prefix_cache
+from kvrag.layer_feed import DEFAULT_LOOKAHEAD, LayerFeed
 from kvrag.layout import Segments
 from kvrag.attention import PassSpec, Rule, attending_by, uses_spec
 from kvrag.links import embed_with_links, link_picture
@@ -44,18 +45,33 @@ class Stitched:
     segments: Segments
     positions: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [slots] global position of each slot
     room: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # buffers with free slots after `keys`
+    # layer-wise loading: the layers of `keys`/`values` not filled yet come from this feed on demand
+    # (`ensure`); None once every layer is filled (or when stitched eagerly)
+    feed: LayerFeed | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.positions is None:
             self.positions = torch.arange(self.keys.shape[2])
 
+    def ensure(self, layers: Iterable[int]) -> None:
+        """Make these layers' KV usable by work queued from now on (a no-op when stitched eagerly)."""
+        if self.feed is not None:
+            self.feed.ensure_layers(layers)
+
+    def ensure_all(self) -> None:
+        """Every layer usable: what anything reading `keys`/`values` across layers needs first."""
+        if self.feed is not None:
+            self.feed.ensure_all()
+
     def splice_cache(self) -> SpliceCache:
-        """A cache over this context's tensors (written in place by a pass), using the reserved room."""
+        """A cache over this context's tensors (written in place by a pass), using the reserved room;
+        with a layer feed, each layer is ensured right before the pass first updates it."""
+        ready = self.feed.ensure if self.feed is not None else None
         if self.room is None:
-            return SpliceCache(unstack_layers(self.keys, self.values))
+            return SpliceCache(unstack_layers(self.keys, self.values), ready=ready)
         kb, vb = self.room
         n = self.keys.shape[2]
-        return SpliceCache(unstack_layers(kb, vb), kb.shape[2] - n, [n] * kb.shape[0])
+        return SpliceCache(unstack_layers(kb, vb), kb.shape[2] - n, [n] * kb.shape[0], ready=ready)
 
     @property
     def chunk_spans(self) -> list[tuple[int, int]]:
@@ -84,6 +100,7 @@ class Stitched:
 
     def keep(self, positions: torch.Tensor) -> "Stitched":
         """A sparser context with only these global positions (sorted; the prefix and link slots are always kept)."""
+        self.ensure_all()  # the copy reads every layer
         prefix = torch.arange(len(self.segments.prefix))
         pos = torch.cat([prefix, self.link_positions(), positions.to(torch.long).cpu()]).unique(sorted=True)
         slots = self.slots_of(pos).to(self.keys.device)
@@ -100,12 +117,23 @@ class Stitched:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
-def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments, rotary: Rotary, reserve: int = 0) -> Stitched:
+def stitch(
+    prefix: LayerStack,
+    chunks: Sequence[LayerStack],
+    segments: Segments,
+    rotary: Rotary,
+    reserve: int = 0,
+    layerwise: bool = False,
+    lookahead: int = DEFAULT_LOOKAHEAD,
+) -> Stitched:
     """Concatenate RoPE-free chunk KV after the prefix and rotate keys to their global positions.
 
     Each chunk is rotated straight into one preallocated buffer (all layers and heads in one op),
     so the context is written once instead of concatenated and then copied again. `reserve` slots
     are left free after the context for the question and the answer, which append in place.
+
+    `layerwise=True` only allocates the buffers: a `LayerFeed` fills each layer when first ensured
+    (chunks may then stay on the host, pinned on CUDA), so loading overlaps the passes.
     """
     pk, pv = prefix
     n_prefix, total = pk.shape[2], segments.context_len
@@ -115,6 +143,8 @@ def stitch(prefix: LayerStack, chunks: Sequence[LayerStack], segments: Segments,
     # tensors that carry gradients into them, which autograd allows on a leaf but not a view of one)
     keys, values = (kbuf[:, :, :total], vbuf[:, :, :total]) if reserve else (kbuf, vbuf)
     room = (kbuf, vbuf) if reserve > 0 else None
+    if layerwise:
+        return Stitched(keys, values, segments, room=room, feed=LayerFeed(prefix, chunks, segments, rotary, keys, values, lookahead))
     if not chunks:
         keys[:, :, :n_prefix] = pk
         values[:, :, :n_prefix] = pv

@@ -22,6 +22,11 @@ from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
 from kvrag.layout import Segments
 from kvrag.auto_ratio import AutoRatio, auto_budget
 from kvrag.methods import Method, PrepareContext, ScoredMethod, SelectContext, Selection, token_budget
+from kvrag.methods.attention import A3, FusionRAG
+from kvrag.methods.baselines import FullReuse
+from kvrag.methods.cacheblend import CacheBlend
+from kvrag.methods.epic import Epic
+from kvrag.methods.kvlink import KVLink
 from kvrag.model import decoder_of
 from kvrag.options import KIND_CHUNK, AnswerOptions
 from kvrag.probe import ProbeResult, capture_queries
@@ -29,6 +34,21 @@ from kvrag.repository import KVRepository, Resolved
 from kvrag.rope import Rotary
 from kvrag.timing import clock
 from kvrag.types import Answer, AnswerStats, Chunk
+
+
+# Rules whose keep/select read stitched KV only at layers their probes reached (kvrag.probe ensures
+# those): with layer-wise loading the rest of the layers keep loading behind the probes and the pass.
+# Checked by exact type, so a subclass (which may read more) gets every layer first. Full Reuse and
+# EPIC read no KV; A3/FusionRAG only probe; CacheBlend reads the values/keys of the layer it just
+# probed. SamKV reads its stable layers and sparsifies every layer: not here.
+PROBED_LAYERS_ONLY: tuple[type[Method], ...] = (FullReuse, Epic, CacheBlend, A3, FusionRAG)
+
+
+def probed_layers_only(meth: Method) -> bool:
+    """Whether `meth` touches stitched KV only at layers a probe of its own has ensured."""
+    if type(meth) is KVLink:
+        return probed_layers_only(meth.inner)
+    return type(meth) in PROBED_LAYERS_ONLY
 
 
 @dataclass
@@ -111,17 +131,27 @@ class RequestPipeline:
             stats.ttft_s = stats.prefill_s
             return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks, window=window)
 
-        stacks = self.repo.load_chunks(resolved, stats, opts.kv_kind)
+        layerwise = self.repo.layerwise_load
+        stacks = self.repo.load_chunks(resolved, stats, opts.kv_kind, to_device=not layerwise)
         t1 = clock(self.lm.device)
-        stitched = stitch(prefix, stacks, segments, self.rotary, reserve=len(segments.question) + reserve)
+        stitched = stitch(prefix, stacks, segments, self.rotary, reserve=len(segments.question) + reserve, layerwise=layerwise)
+        feed, stats.layerwise = stitched.feed, layerwise
         t2 = clock(self.lm.device)
-        stitched, selection = self._select(meth, stitched, opts, stats)
-        t3 = clock(self.lm.device)
-        with self._window(opts.evict, segments) as window:
-            out = recompute(self.lm, stitched, selection.positions, update=meth.update, link_embeds=links.embeds)
+        try:
+            stitched, selection = self._select(meth, stitched, opts, stats)
+            t3 = clock(self.lm.device)
+            with self._window(opts.evict, segments) as window:
+                out = recompute(self.lm, stitched, selection.positions, update=meth.update, link_embeds=links.embeds)
+            stitched.ensure_all()  # decoding reads every layer (the pass has ensured each one it updated)
+        finally:
+            if feed is not None:
+                feed.close()
+        stitched.feed = None
         if window is not None:
             window.key_positions = torch.cat([stitched.positions, torch.arange(segments.context_len, segments.total_len)])
         t4 = clock(self.lm.device)
+        if feed is not None:
+            stats.layer_load_s, stats.load_wait_s = feed.timings()
         stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
         stats.recomputed_tokens = int(selection.positions.numel())
         stats.ttft_s = t4 - t0
@@ -132,6 +162,8 @@ class RequestPipeline:
         the first chunk's KV is already exact (computed right after the prefix), so a rule selects
         among the other chunks and the first is recomputed only when the budget exceeds them all."""
         exact = 1 if opts.kv_kind == KIND_CHUNK else 0
+        if not probed_layers_only(meth):  # it may read any layer's KV: every layer first
+            stitched.ensure_all()
         ctx = SelectContext(self.lm, self.rotary, stitched, exact)
         kept = Selection.of(meth.keep(ctx))
         if kept is not None:

@@ -116,6 +116,7 @@ def probe(
     ids, positions, key_pos = pass_inputs(stitched, over, device)
     # appending the question reallocates (no room is reserved here), so the stitched tensors are
     # only at risk from overwrites: scratch copies then, and only of the layers the probe reaches
+    stitched.ensure(range(last + 1))  # layer-wise loading: fill the layers this probe reaches, no more
     kv = unstack_layers(stitched.keys, stitched.values)
     if over.numel():
         kv = [(k.clone(), v.clone()) if i <= last else (k, v) for i, (k, v) in enumerate(kv)]

@@ -67,11 +67,28 @@ def check_fits(lm: LoadedModel, layout: PromptLayout, chunks: Sequence[Chunk], t
             )
 
 
+def on_host(entry: KVEntry, pin: bool) -> LayerStack:
+    """An entry's tensors where the store put them, for a layer feed to copy layer by layer: host
+    tensors pinned when `pin` (the disk and host tiers already hand out pinned buffers on CUDA), so
+    each layer's copy is an asynchronous DMA; tensors already on the device stay there."""
+    keys, values = entry.keys, entry.values
+    if pin and keys.device.type == "cpu" and not keys.is_pinned():
+        keys = keys.pin_memory()
+    if pin and values.device.type == "cpu" and not values.is_pinned():
+        values = values.pin_memory()
+    return keys, values
+
+
 class KVRepository:
     """Chunks by id and their KV: keys from (model, layout, kind, token ids), validated entries, misses computed."""
 
-    def __init__(self, lm: LoadedModel, store: KVStore, layout: PromptLayout, computer: KVComputer, batch_size: int = 8) -> None:
+    def __init__(
+        self, lm: LoadedModel, store: KVStore, layout: PromptLayout, computer: KVComputer, batch_size: int = 8, layerwise: bool | None = None
+    ) -> None:
+        """`layerwise`: load chunk KV layer by layer, overlapped with the passes (kvrag.layer_feed); None
+        (default): on CUDA, where the copies hide behind compute, off on the CPU (nothing to hide)."""
         self.lm = lm
+        self.layerwise = layerwise
         self.store = store
         self.guarded = GuardedStore(store)
         self.layout = layout
@@ -111,6 +128,11 @@ class KVRepository:
 
     def _to_device(self, entry: KVEntry) -> LayerStack:
         return entry.keys.to(self.lm.device, self.lm.dtype), entry.values.to(self.lm.device, self.lm.dtype)
+
+    @property
+    def layerwise_load(self) -> bool:
+        """Whether requests load chunk KV layer by layer (see `__init__`)."""
+        return self.lm.device.type == "cuda" if self.layerwise is None else bool(self.layerwise)
 
     # -- the prefix -----------------------------------------------------------------------------
     def prefix_kv(self) -> LayerStack:
@@ -317,8 +339,9 @@ class KVRepository:
         return stacks
 
     # -- loading --------------------------------------------------------------------------------
-    def load_chunks(self, resolved: Resolved, stats: AnswerStats, kind: str = KIND_CHUNK) -> list[LayerStack]:
-        """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept)."""
+    def load_chunks(self, resolved: Resolved, stats: AnswerStats, kind: str = KIND_CHUNK, to_device: bool = True) -> list[LayerStack]:
+        """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept).
+        `to_device=False`: stored entries stay on the host (pinned on CUDA) for a layer feed (kvrag.layer_feed)."""
         if kind not in CHUNK_KINDS:
             raise ValueError(f"kv_kind must be one of {CHUNK_KINDS}, got {kind!r}")
         t = clock(self.lm.device)
@@ -344,7 +367,7 @@ class KVRepository:
                     stats.bytes_loaded += e.nbytes
                     tier = "request" if i in resolved.loaded else (e.tier or "store")
                     stats.tiers[tier] = stats.tiers.get(tier, 0) + 1
-                    stacks[i] = self._to_device(e)
+                    stacks[i] = self._to_device(e) if to_device else on_host(e, pin=self.lm.device.type == "cuda")
         stats.path = kind
         stats.load_s = clock(self.lm.device) - t
         misses = [i for i, st in enumerate(stacks) if st is None]

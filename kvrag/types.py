@@ -22,7 +22,7 @@ class AnswerStats:
 
     method: str = ""
     ttft_s: float = 0.0
-    load_s: float = 0.0
+    load_s: float = 0.0  # until the KV is usable: on the device (eager), or on the host ready to feed layers (layerwise)
     stitch_s: float = 0.0
     select_s: float = 0.0
     recompute_s: float = 0.0
@@ -44,6 +44,11 @@ class AnswerStats:
     tiers: dict[str, int] = field(default_factory=dict)  # chunks served per store tier ("disk": 3, "computed": 1)
     # SDPA kernel per pass kind, in query blocks: {"recompute": {"flash_attention": 1}, "probe": {...}}
     attention_kernels: dict[str, dict[str, int]] = field(default_factory=dict)
+    # layer-wise loading (kvrag.layer_feed): the per-layer copy + rotate work, and the part of it the
+    # passes waited for (inside select_s / recompute_s); layer_load_s - load_wait_s was hidden behind compute
+    layerwise: bool = False
+    layer_load_s: float = 0.0
+    load_wait_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -224,3 +224,81 @@ def test_cuda_answers_use_the_graph_by_default_and_match_the_eager_answer(monkey
     assert len(made) == 1 and made[0].graph and made[0].replays > 0
     eager = rag.answer(Q, IDS, static=False, **kw)
     assert len(made) == 1 and (auto.text, auto.stats.generated_tokens) == (eager.text, eager.stats.generated_tokens)
+
+# -- layer-wise loading (kvrag.layer_feed): copies on a side stream, overlapped with the passes ----
+LAYERWISE = [("reuse", {}), ("epic", {}), ("a3", {}), ("fusionrag", {}), ("cacheblend", {}), ("samkv", {}), ("kvlink", {"link_tokens": 2})]
+STORES = {"host": "host://?pin=1", "disk": "disk://{tmp}?pin=1", "memory": "memory://"}  # pinned host, pinned reads, on the device
+
+
+def layerwise_rag(dtype, url, tmp_path):
+    rag = KVRag(cuda_lm("llama", dtype), store=url.format(tmp=tmp_path), check=False)
+    rag.precompute(CHUNKS, progress=False)
+    return rag
+
+
+@pytest.mark.parametrize("store", list(STORES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layerwise_loading_gives_the_eager_logits_on_cuda(tmp_path, dtype, store):
+    rag = layerwise_rag(dtype, STORES[store], tmp_path)
+    assert rag.repo.layerwise is None and rag.repo.layerwise_load  # the default on CUDA
+    for method, params in LAYERWISE:
+        rag.repo.layerwise = False
+        eager = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, **params)
+        rag.repo.layerwise = None
+        lw = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, **params)
+        assert lw.stats.layerwise and not eager.stats.layerwise and lw.stitched.feed is None
+        assert rel(lw.logits, eager.logits) <= TOL[dtype]["logits"], method
+        if dtype == torch.float32:
+            assert torch.equal(lw.selected.cpu(), eager.selected.cpu()), method
+            assert rel(lw.stitched.keys, eager.stitched.keys) <= TOL[dtype]["keys"], method
+            kw = dict(method=method, recompute_ratio=0.15, max_new_tokens=6, stop_at="none", **params)
+            rag.repo.layerwise = False
+            want = rag.answer(Q, IDS, **kw).text
+            rag.repo.layerwise = None
+            assert rag.answer(Q, IDS, **kw).text == want, method
+
+
+@pytest.mark.parametrize("store", ["host", "disk"])
+def test_layerwise_copies_are_non_blocking_from_pinned_memory(tmp_path, monkeypatch, store):
+    from kvrag.layer_feed import LayerFeed
+
+    rag = layerwise_rag(torch.bfloat16, STORES[store], tmp_path)
+    rag.prefill(Q, IDS, method="cacheblend")  # warm: the prefix exists, the entries are stored
+    copies, feeds = [], []
+    real_copy, real_init = torch.Tensor.copy_, LayerFeed.__init__
+
+    def spy(self, src, non_blocking=False):
+        if self.device.type == "cuda" and src.device.type == "cpu":
+            copies.append((non_blocking, src.is_pinned()))
+        return real_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    monkeypatch.setattr(LayerFeed, "__init__", lambda self, *a, **k: (feeds.append(self), real_init(self, *a, **k))[1])
+    pre = rag.prefill(Q, IDS, method="cacheblend")
+    monkeypatch.undo()
+    layers = rag.lm.config.num_hidden_layers
+    assert len(copies) == 2 * layers * len(IDS)  # keys and values of every chunk, layer by layer
+    assert all(non_blocking and pinned for non_blocking, pinned in copies), copies
+    feed = feeds[0]
+    assert feed.cuda and feed.order == list(range(layers)) and feed.complete
+    # the copy work, and the part of it the passes waited for (never more than the work itself)
+    assert pre.stats.layer_load_s > 0 and 0 <= pre.stats.load_wait_s <= pre.stats.layer_load_s + 1e-3
+
+
+def test_layerwise_layers_are_ensured_before_their_attention_on_cuda(tmp_path, monkeypatch):
+    from kvrag.layer_feed import LayerFeed
+    from kvrag.model import decoder_of
+
+    rag = layerwise_rag(torch.float32, STORES["host"], tmp_path)
+    events = []
+    ensure = LayerFeed.ensure
+    monkeypatch.setattr(LayerFeed, "ensure", lambda self, i: (events.append(("ensure", i)), ensure(self, i))[1])
+    hooks = [l.self_attn.register_forward_hook(lambda m, a, o, i=i: events.append(("attn", i))) for i, l in enumerate(decoder_of(rag.lm.model).layers)]
+    try:
+        rag.prefill(Q, IDS, method="reuse")
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = rag.lm.config.num_hidden_layers
+    for i in range(layers):
+        assert events.index(("ensure", i)) < events.index(("attn", i))
