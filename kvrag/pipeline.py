@@ -22,11 +22,6 @@ from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
 from kvrag.layout import Segments
 from kvrag.auto_ratio import AutoRatio, auto_budget
 from kvrag.methods import Method, PrepareContext, ScoredMethod, SelectContext, Selection, token_budget
-from kvrag.methods.attention import A3, FusionRAG
-from kvrag.methods.baselines import FullReuse
-from kvrag.methods.cacheblend import CacheBlend
-from kvrag.methods.epic import Epic
-from kvrag.methods.kvlink import KVLink
 from kvrag.model import decoder_of
 from kvrag.options import KIND_CHUNK, AnswerOptions
 from kvrag.probe import ProbeResult, capture_queries
@@ -34,21 +29,6 @@ from kvrag.repository import KVRepository, Resolved
 from kvrag.rope import Rotary
 from kvrag.timing import clock
 from kvrag.types import Answer, AnswerStats, Chunk
-
-
-# Rules whose keep/select read stitched KV only at layers their probes reached (kvrag.probe ensures
-# those): with layer-wise loading the rest of the layers keep loading behind the probes and the pass.
-# Checked by exact type, so a subclass (which may read more) gets every layer first. Full Reuse and
-# EPIC read no KV; A3/FusionRAG only probe; CacheBlend reads the values/keys of the layer it just
-# probed. SamKV reads its stable layers and sparsifies every layer: not here.
-PROBED_LAYERS_ONLY: tuple[type[Method], ...] = (FullReuse, Epic, CacheBlend, A3, FusionRAG)
-
-
-def probed_layers_only(meth: Method) -> bool:
-    """Whether `meth` touches stitched KV only at layers a probe of its own has ensured."""
-    if type(meth) is KVLink:
-        return probed_layers_only(meth.inner)
-    return type(meth) in PROBED_LAYERS_ONLY
 
 
 @dataclass
@@ -162,7 +142,7 @@ class RequestPipeline:
         the first chunk's KV is already exact (computed right after the prefix), so a rule selects
         among the other chunks and the first is recomputed only when the budget exceeds them all."""
         exact = 1 if opts.kv_kind == KIND_CHUNK else 0
-        if not probed_layers_only(meth):  # it may read any layer's KV: every layer first
+        if not meth.probed_layers_only:  # it may read any layer's KV: every layer first
             stitched.ensure_all()
         ctx = SelectContext(self.lm, self.rotary, stitched, exact)
         kept = Selection.of(meth.keep(ctx))

@@ -10,7 +10,7 @@ from kvrag.layer_feed import LayerFeed
 from kvrag.methods import METHODS, get_method
 from kvrag.methods.cacheblend import CacheBlend
 from kvrag.model import decoder_of
-from kvrag.pipeline import RequestPipeline, probed_layers_only
+from kvrag.pipeline import RequestPipeline
 from kvrag.probe import probe
 from kvrag.types import AnswerStats
 from test_gpu_readiness import CHUNKS as SYNC_CHUNKS, Q as SYNC_Q, count_syncs
@@ -185,13 +185,13 @@ def test_decoding_after_a_layerwise_prefill_sees_every_layer(rag):
 def test_which_rules_read_only_probed_layers():
     safe = {"reuse", "epic", "cacheblend", "a3", "fusionrag", "kvlink"}
     for name in METHODS:
-        assert probed_layers_only(get_method(name)) == (name in safe), name
-    assert probed_layers_only(get_method("kvlink+cacheblend")) and not probed_layers_only(get_method("kvlink+samkv"))
+        assert get_method(name).probed_layers_only == (name in safe), name
+    assert get_method("kvlink+cacheblend").probed_layers_only and not get_method("kvlink+samkv").probed_layers_only
 
     class Deeper(CacheBlend):  # a subclass may read more than its parent: every layer first
         pass
 
-    assert not probed_layers_only(Deeper())
+    assert not Deeper().probed_layers_only
 
 
 def test_a_failed_prefill_closes_its_feed(rag, monkeypatch):

@@ -35,6 +35,7 @@ class A3(QuestionAttention):
     """A3: tokens the question attends to most at a shallow layer (layer 1)."""
 
     name = "a3"
+    probed_layers_only = True  # probes only
     default_layer = 1
 
 
@@ -42,4 +43,5 @@ class FusionRAG(QuestionAttention):
     """FusionRAG query-guided selection: question attention at the last layer, top-k across chunks."""
 
     name = "fusionrag"
+    probed_layers_only = True  # probes only
     default_layer = -1

@@ -96,6 +96,16 @@ class Method:
     name: ClassVar[str] = ""
     full_attention: ClassVar[bool] = False  # True only for the no-reuse baseline
     update: str = "overwrite"  # how recomputed KV is written: "overwrite" or "fusion" (SamKV eq. 4)
+    # layer-wise loading (kvrag.layer_feed): True when keep/select read stitched KV only at layers this
+    # rule's own probes reached (kvrag.probe fills those), so the other layers load behind the probes and
+    # the pass; otherwise every layer is filled first. Declared per class, never inherited: a subclass
+    # may read more than its parent.
+    probed_layers_only: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "probed_layers_only" not in cls.__dict__:
+            cls.probed_layers_only = False
 
     def prepare(self, ctx: PrepareContext) -> LinkSlots:
         """Anything the layout needs before the context is stitched (KVLink's link slots); none by default."""

@@ -17,6 +17,7 @@ class FullReuse(Method):
     """Full Reuse (TurboRAG / PIE / KVLink-0): stored KV re-rotated, nothing recomputed."""
 
     name = "reuse"
+    probed_layers_only = True  # reads no KV
 
     def select(self, ctx: SelectContext, budget: int) -> Selection:
         return Selection.empty()

@@ -26,6 +26,7 @@ class CacheBlend(ScoredMethod):
     """CacheBlend: largest KV deviation at layer 1 between the reused cache and a real recompute."""
 
     name = "cacheblend"
+    probed_layers_only = True  # the layers it just probed
 
     def __init__(self, layer: int = 1, deviation: str = "value", gradual: bool = False, start: float = 3.0, steps: int = 2) -> None:
         if deviation not in ("value", "key"):

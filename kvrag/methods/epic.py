@@ -11,6 +11,7 @@ class Epic(Method):
     """EPIC/LegoLink: the first tokens of each chunk, budget split evenly across chunks."""
 
     name = "epic"
+    probed_layers_only = True  # reads no KV
 
     def select(self, ctx: SelectContext, budget: int) -> Selection:
         spans = ctx.spans

@@ -30,6 +30,7 @@ class KVLink(Method):
         if self.inner.full_attention or isinstance(self.inner, KVLink):
             raise ValueError(f"kvlink composes with a selection rule, not with {self.inner.name!r}")
         self.update = self.inner.update
+        self.probed_layers_only = self.inner.probed_layers_only  # type: ignore[misc]  # as its rule reads
 
     def prepare(self, ctx: PrepareContext) -> LinkSlots:
         k, embeds = resolve_link_rows(ctx.lm, ctx.link_adapter(), self.link_tokens, ctx.n_chunks, ctx.default_links)
