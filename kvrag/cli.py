@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--n", type=int, default=100, help="examples (seeded sample)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--methods", default="cacheblend,epic,a3,fusionrag,samkv")
-    bench.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios (speed mode: the first one given, default 0.15)")
+    bench.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios, or auto (the engine picks per question; the records hold its choice); speed mode: the first one given, default 0.15")
     bench.add_argument("--similarity", action="store_true", help="also run FusionRAG's similarity-guided entries")
     bench.add_argument("--max-new-tokens", type=int, default=24)
     bench.add_argument("--contexts", "--context", dest="contexts", default=None,

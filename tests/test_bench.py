@@ -57,6 +57,19 @@ def test_summary_is_sane_and_the_report_has_tables_and_plot(tmp_path):
     assert json.loads(summary.read_text())["rows"][0]["setting"] == "full"
 
 
+def test_auto_ratio_and_gradual_settings_record_the_ratio_chosen(tmp_path):
+    settings = make_settings(["cacheblend", "cacheblend:gradual=true"], [0.15, "auto"])
+    names = [s.name for s in settings]
+    assert names == ["full", "reuse", "cacheblend@0.15", "cacheblend@auto", "cacheblend@0.15[gradual=True]", "cacheblend@auto[gradual=True]"]
+    own = make_settings(["cacheblend", "epic", "cacheblend:ratio=auto"], [0.15])
+    assert [s.name for s in own] == ["full", "reuse", "cacheblend@0.15", "epic@0.15", "cacheblend@auto"]
+    path = run(tiny_rag(), EXAMPLES[:2], settings[:4], tmp_path, max_new_tokens=3, progress=False)
+    auto = [r for r in load_records(path) if r["setting"] == "cacheblend@auto"]
+    assert len(auto) == 2 and all(0 < r["ratio"] <= 0.3 for r in auto)  # the share the engine chose, not "auto"
+    rows = {r["setting"]: r for r in summarize(load_records(path))}
+    assert 0 < rows["cacheblend@auto"]["recomputed_share"] <= 0.3
+
+
 def test_speed_sweep_pairs_every_setting_with_full():
     rag = tiny_rag()
     rows = speed_sweep(rag, [64, 128], [Setting("reuse"), Setting("a3", 0.15)], chunk_tokens=32, repeats=2, progress=False)

@@ -44,7 +44,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     store = args.store or f"disk://{(out / 'kv').resolve()}"
     methods = split_methods(args.methods)
-    ratios = [float(r) for r in args.ratios.split(",") if r]
+    ratios: list[float | str] = [r if r == "auto" else float(r) for r in args.ratios.split(",") if r]
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "max_new_tokens": args.max_new_tokens}
     if args.merge:
         return _bench_merge(args, out, meta)

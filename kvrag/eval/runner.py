@@ -25,7 +25,7 @@ from kvrag.eval.metrics import agreement, best_f1, contains, first_token_kl
 @dataclass(frozen=True)
 class Setting:
     method: str
-    ratio: float = 0.0
+    ratio: float | str = 0.0  # or "auto": the engine picks per question (the record holds what it chose)
     kv_kind: str = KIND_CHUNK
     params: tuple[tuple[str, Any], ...] = ()
     model: str = ""  # a named model variant (e.g. one with trained KVLink weights); "" is the base model
@@ -35,7 +35,7 @@ class Setting:
         if self.method in ("full", "reuse"):
             base = self.method
         else:
-            base = f"{self.method}@{self.ratio:g}"
+            base = f"{self.method}@{self.ratio:g}" if isinstance(self.ratio, (int, float)) else f"{self.method}@{self.ratio}"
         if self.params:
             base += "[" + ",".join(f"{k}={v}" for k, v in self.params) + "]"
         base += "+sim" if self.kv_kind == KIND_SIMILARITY else ""
@@ -80,10 +80,11 @@ def parse_value(v: str) -> Any:
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def make_settings(methods: Sequence[str], ratios: Sequence[float], similarity: bool = False) -> list[Setting]:
+def make_settings(methods: Sequence[str], ratios: Sequence[float | str], similarity: bool = False) -> list[Setting]:
     """Full and reuse once each (the two ends), every other method at every ratio (ratio 0 is reuse).
 
-    A method may carry parameters: `samkv:update=fusion`. The parameter `model=NAME` runs the setting
+    A method may carry parameters: `samkv:update=fusion`. `ratio=R` runs that method at R alone
+    (`cacheblend:ratio=auto`). The parameter `model=NAME` runs the setting
     on a named model variant (`kvrag bench --adapter NAME=PATH`), `full:model=NAME` included; its
     answers are still scored against the base model's Full Attention. KVLink is also run at ratio 0
     (links alone), since its link tokens are computed even when no chunk token is.
@@ -92,16 +93,17 @@ def make_settings(methods: Sequence[str], ratios: Sequence[float], similarity: b
     parsed = [parse_method(m) for m in methods]
     for m, params in parsed:
         model = str(dict(params).get("model", ""))
-        params = tuple(p for p in params if p[0] != "model")
+        own = [dict(params)["ratio"]] if "ratio" in dict(params) else None  # `m:ratio=auto`: this method at that ratio only
+        params = tuple(p for p in params if p[0] not in ("model", "ratio"))
         if m in ("full", "reuse"):
             if model:
                 out.append(Setting(m, params=params, model=model))
             continue
-        keep = [r for r in ratios if r > 0 or m.startswith("kvlink")]
+        keep = [r for r in (own or ratios) if r == "auto" or r > 0 or m.startswith("kvlink")]
         out += [Setting(m, r, params=params, model=model) for r in keep]
     if similarity:
         out += [Setting("reuse", 0.0, KIND_SIMILARITY)]
-        out += [Setting(m, r, KIND_SIMILARITY, p) for m, p in parsed if m not in ("full", "reuse") for r in ratios if r > 0]
+        out += [Setting(m, r, KIND_SIMILARITY, p) for m, p in parsed if m not in ("full", "reuse") for r in ratios if r == "auto" or r > 0]
     return out
 
 
@@ -144,7 +146,7 @@ def _record(ex: Example, st: Setting, pre: Prefill, text: str, full_text: str, f
         "setting": st.name,
         "method": st.method,
         "model": st.model,
-        "ratio": 1.0 if st.method == "full" else st.ratio,
+        "ratio": 1.0 if st.method == "full" else (st.ratio if st.ratio != "auto" else s.recompute_ratio),
         "kv_kind": st.kv_kind,
         "answer": text,
         "f1": best_f1(text, ex.answers),
