@@ -79,6 +79,19 @@ class SpliceLayer(DynamicLayer):
         super().crop(tokens_to_remove)
         self._len = self.keys.shape[-2]
 
+    def room(self, capacity: int) -> KV:
+        """This layer's buffers, grown once if they hold fewer than `capacity` slots (static decoding
+        writes into them at fixed shapes; the first `length` slots are this layer's KV)."""
+        if self._kbuf.shape[-2] < capacity:
+            self._kbuf, self._vbuf = _with_room(self._kbuf, self._len, capacity), _with_room(self._vbuf, self._len, capacity)
+            self.keys, self.values = self._kbuf[..., : self._len, :], self._vbuf[..., : self._len, :]
+        return self._kbuf, self._vbuf
+
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
+        """Hold the first `length` slots of these buffers, the rest as room (after static decoding)."""
+        self._kbuf, self._vbuf, self._len = kbuf, vbuf, length
+        self.keys, self.values = kbuf[..., :length, :], vbuf[..., :length, :]
+
 
 def _with_room(t: torch.Tensor, n: int, capacity: int) -> torch.Tensor:
     """A [..., capacity, d] buffer whose first n slots are t's."""

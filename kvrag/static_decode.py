@@ -21,8 +21,8 @@ growing-cache decode) and is captured on CUDA by `StaticDecoder`. The capture pa
 the CPU test suite: tests/test_cuda.py checks graph == eager tokens on a GPU.
 
 Like kvrag.cache, this module touches transformers' Cache API (5.x): `SlotLayer` is a cache layer
-of fixed capacity. It reads a SpliceLayer's buffers (`_kbuf`/`_vbuf`/`_len`) to decode in its
-reserved room, and hands the grown length back when decoding ends.
+of fixed capacity. It decodes in a SpliceLayer's reserved room (`SpliceLayer.room`) and hands the
+grown length back when decoding ends (`SpliceLayer.adopt`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvrag.cache import SpliceLayer
 
 log = logging.getLogger(__name__)
 # torch allows one graph capture at a time per process; engines over different models may decode in parallel threads
@@ -212,8 +214,9 @@ def _room(layer: Any, capacity: int) -> KV:
     """Buffers [1, kv_heads, >= capacity, d] whose first slots are the layer's: a SpliceLayer's own
     (grown once if its reserved room is short), else a copy. The unused room is zeroed (finite)."""
     n = layer.keys.shape[-2]
-    kbuf, vbuf = getattr(layer, "_kbuf", None), getattr(layer, "_vbuf", None)
-    if kbuf is None or vbuf is None or kbuf.shape[-2] < capacity or getattr(layer, "_len", None) != n:
+    if isinstance(layer, SpliceLayer):
+        kbuf, vbuf = layer.room(capacity)
+    else:
         kbuf, vbuf = _with_room(layer.keys, capacity), _with_room(layer.values, capacity)
     kbuf[..., n:, :].zero_()
     vbuf[..., n:, :].zero_()
@@ -228,6 +231,7 @@ def _with_room(t: torch.Tensor, capacity: int) -> torch.Tensor:
 
 def _adopt(layer: Any, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
     """Make the layer hold the first `length` slots of these buffers (a SpliceLayer keeps them as its room)."""
-    if hasattr(layer, "_kbuf"):
-        layer._kbuf, layer._vbuf, layer._len = kbuf, vbuf, length
-    layer.keys, layer.values = kbuf[..., :length, :], vbuf[..., :length, :]
+    if isinstance(layer, SpliceLayer):
+        layer.adopt(kbuf, vbuf, length)
+    else:
+        layer.keys, layer.values = kbuf[..., :length, :], vbuf[..., :length, :]

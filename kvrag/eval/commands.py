@@ -85,7 +85,9 @@ def _bench_merge(args: argparse.Namespace, out: Path, meta: dict) -> int:
     if dropped:
         print(f"--merge: {dropped} examples not answered under every setting were left out", file=sys.stderr)
     first = metas[0] if metas else {}
-    meta = {**first, "command": meta["command"], "parts": [m.get("command", "") for m in metas], "left_out_incomplete": dropped}
+    # a part stopped before its report has no summary.json: this machine's facts and the given --data stand in
+    own = {"hardware": meta["hardware"], "max_new_tokens": meta["max_new_tokens"], "data": args.data, "seed": args.seed}
+    meta = {**own, **first, "command": meta["command"], "parts": [m.get("command", "") for m in metas], "left_out_incomplete": dropped}
     meta["n"] = len({r["example"] for r in load_records(records)})
     write_report(records, out, meta)
     print(markdown_table(summarize(load_records(records))))
