@@ -138,12 +138,17 @@ def _corrupt(msg: str) -> CorruptEntryError:
     return CorruptEntryError(msg)
 
 
-def parse_header(buf: torch.Tensor) -> tuple[dict[str, Any], int]:
-    """The JSON header and where the data starts; lengths bounded before anything is read."""
-    size = buf.numel()
+def _raw(buf: torch.Tensor | np.ndarray) -> np.ndarray:
+    return buf.numpy() if isinstance(buf, torch.Tensor) else buf
+
+
+def parse_header(buf: torch.Tensor | np.ndarray) -> tuple[dict[str, Any], int]:
+    """The JSON header and where the data starts; lengths bounded before anything is read. `buf`:
+    a uint8 tensor or numpy array (a reader's, which avoids a torch call per step)."""
+    raw = _raw(buf)
+    size = len(raw)
     if size < 8:
         raise _corrupt(f"entry of {size} bytes has no header")
-    raw = buf.numpy()
     n = int.from_bytes(raw[:8].tobytes(), "little")
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise _corrupt(f"header length {n} out of bounds (entry is {size} bytes)")
@@ -200,9 +205,9 @@ def _views(buf: torch.Tensor, header: dict[str, Any], start: int) -> dict[str, t
     return {name: torch.empty(0, dtype=dtype).set_(storage, (base + b) // dtype.itemsize, shape) for b, e, name, dtype, shape in spans}
 
 
-def checksum_start(buf: torch.Tensor, header: dict[str, Any], start: int) -> xxhash.xxh3_64:
+def checksum_start(buf: torch.Tensor | np.ndarray, header: dict[str, Any], start: int) -> xxhash.xxh3_64:
     """The entry checksum's hasher, fed the header text; feed it the data region next."""
-    text = buf[8:start].numpy().tobytes().rstrip(b" ")
+    text = _raw(buf)[8:start].tobytes().rstrip(b" ")
     field = _field(str(header["__metadata__"].get("checksum", ""))[:16])
     if text.count(field) != 1:
         raise _corrupt("entry checksum field missing or ambiguous")
