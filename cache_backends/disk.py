@@ -80,6 +80,7 @@ class DiskStore(ByteStore):
             (self.root / "index").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create store folder {self.root}: {exc}") from exc
+        self._entries = str(self.root / "entries")
         self.buffers = BufferPool(pin=pin)
         self.threads = max(1, threads or min(4, os.cpu_count() or 1))  # readers, the caller included
         self._pool: ThreadPoolExecutor | None = None
@@ -87,13 +88,17 @@ class DiskStore(ByteStore):
         self._size: int | None = None  # running estimate, rescanned when over the cap
 
     def _path(self, key: str) -> Path:
-        return self.root / "entries" / key[:2] / key[2:4] / (key + _SUFFIX)
+        return Path(self._file(key))
+
+    def _file(self, key: str) -> str:
+        """The entry's path as a string: a read opens it without pathlib's cost (~15 us an entry)."""
+        return f"{self._entries}{os.sep}{key[:2]}{os.sep}{key[2:4]}{os.sep}{key}{_SUFFIX}"
 
     # -- reads ------------------------------------------------------------------------------------
     def _open_entry(self, index: int, key: str) -> Opened:
         """Open the entry file of `key` for a ReadBatch: the open file with a buffer of its size, or
         the answer already (a miss, or a file too large to be an entry)."""
-        path = self._path(key)
+        path = self._file(key)
         try:
             fd = os.open(path, _O_FLAGS)
         except (FileNotFoundError, NotADirectoryError):
@@ -106,7 +111,7 @@ class DiskStore(ByteStore):
             if size > MAX_ENTRY_BYTES or (self.max_bytes is not None and size > self.max_bytes):
                 os.close(fd)
                 return CorruptEntryError(f"entry file of {size} bytes is larger than any valid entry"), 0
-            return EntryFile(index, str(path), fd, self.buffers.take(size), touch=time.time() - st.st_mtime > TOUCH_S)
+            return EntryFile(index, path, fd, self.buffers.take(size), touch=time.time() - st.st_mtime > TOUCH_S)
         except BaseException as exc:
             os.close(fd)
             if isinstance(exc, OSError):

@@ -9,14 +9,17 @@ How: every entry file is cut into pieces (`PIECE` bytes, in file order). Each th
 and up to `threads - 1` helpers from the store's pool -- takes an entry of its own (a file is opened
 only when a thread takes it, so a large request keeps only a few files open), reads its pieces
 with `os.preadv` straight into the entry's buffer and hashes each one right after reading it, while
-it is still in that core's cache; it decodes the entry after its last piece and takes the next.
+it is still in that core's cache. The first piece is small (`FIRST`): the header is parsed and the
+tensor views are built (format.prepare_entry) right after the file is opened, while that Python is
+still in cache rather than after megabytes of copying evicted it; after the last piece the
+checksum is compared (format.finish_entry) and the thread takes the next entry.
 When no entry is left to take, a thread helps with another's: it reads that entry's next piece,
 and the entry's hasher takes it in order (a single large entry is read by all threads this way).
 An entry is hashed by one thread at a time, pieces strictly in file order. With one thread this is
 the plain serial loop: read a piece, hash it.
 
 Verification is unchanged: every byte of an entry, header and data, goes through its checksum
-before `decode_verified` builds any tensor; a bad header, a file that shrinks while read or a wrong
+before `finish_entry` hands out any tensor; a bad header, a file that shrinks while read or a wrong
 checksum is a CorruptEntryError (a clean miss for the store), a missing file a miss.
 """
 
@@ -33,9 +36,10 @@ import torch
 
 from .base import CorruptEntryError, StoreError
 from .byte_store import Fetched
-from .format import MAX_HEADER_BYTES, checksum_start, decode_verified, parse_header
+from .format import MAX_HEADER_BYTES, PreparedEntry, checksum_start, finish_entry, parse_header, prepare_entry
 
-PIECE = 1 << 20  # the unit a thread claims and the hasher takes: large enough to keep locking rare, small enough to stay in cache
+PIECE = 1 << 20  # the unit a thread claims and hashes: large enough to keep locking rare, small enough to stay in cache
+FIRST = 64 << 10  # an entry's first piece: its header, parsed (and its views built) while the Python that does it is still in cache
 PARALLEL = hasattr(os, "preadv")  # positional reads: several threads can read one file at once
 
 
@@ -77,6 +81,7 @@ class EntryFile:
     reached: int = 0  # bytes landed and seen by the hasher, contiguous from 0
     header: dict[str, Any] | None = None
     start: int = 0
+    prepared: PreparedEntry | None = None
     hasher: Any = None
     hashed: int = 0
 
@@ -95,6 +100,8 @@ class EntryFile:
 
 @dataclass(eq=False)
 class Piece:
+    """A byte range of an entry file, handed to one thread to read."""
+
     file: EntryFile
     begin: int
     end: int
@@ -109,7 +116,7 @@ class _Worker:
     """A thread's place in a batch: the entry it reads and hashes (its pieces stay in its cache)."""
 
     file: EntryFile | None = None
-    finish: EntryFile | None = None  # an entry this thread hashed to the end: decode it next
+    finish: EntryFile | None = None  # an entry this thread hashed to the end: it finishes it next
 
 
 class ReadBatch:
@@ -147,6 +154,13 @@ class ReadBatch:
         results, self._results = self._results, []  # a helper task may outlive the call: it must hold no buffer
         return results
 
+    def _spawn(self, pool: Executor, helpers: int) -> None:
+        try:
+            for _ in range(helpers):
+                pool.submit(self._help)
+        except RuntimeError:  # the store is closing: the caller reads on alone
+            pass
+
     def _help(self) -> None:
         with self._cv:
             if self._stop:
@@ -182,8 +196,7 @@ class ReadBatch:
                         return  # all done
                     self._cv.wait()  # pieces in flight, or being hashed, elsewhere
                 if spawn is not None and isinstance(job, Piece) and self._more():
-                    for _ in range(spawn[1]):
-                        spawn[0].submit(self._help)
+                    self._spawn(*spawn)
                     spawn = None
             if isinstance(job, Piece):
                 got = self._read(job)
@@ -253,7 +266,7 @@ class ReadBatch:
         """Hand out `f`'s next piece; its reader hashes it too when it is next in order and `f` is
         the reader's own entry, idle (the common case: one lock a piece). Hold the lock."""
         begin = f.next_at
-        f.next_at = end = min(f.size, begin + self._piece)
+        f.next_at = end = min(f.size, begin + (self._piece if begin else min(self._piece, FIRST)))
         f.sealed = end >= f.size
         p = Piece(f, begin, end)
         if f is me.file and not f.busy and f.consumed == len(f.pieces):
@@ -299,6 +312,7 @@ class ReadBatch:
             try:
                 f.header, f.start = parse_header(f.arr[: f.reached])  # numpy: no torch call per step
                 f.hasher = checksum_start(f.arr, f.header, f.start)
+                f.prepared = prepare_entry(f.buf, f.header, f.start)  # views and fields, no data yet
             except CorruptEntryError as exc:  # older formats too: no need to read further
                 self._fail(f, exc)
                 return
@@ -315,11 +329,11 @@ class ReadBatch:
     def _finish(self, f: EntryFile) -> Fetched:
         if f.failed is not None:
             fetched: Fetched = (f.failed, f.reached)
-        elif f.header is None or f.hashed != f.size:  # pragma: no cover - every piece is in and hashed
+        elif f.prepared is None or f.hashed != f.size:  # pragma: no cover - every piece is in and hashed
             fetched = (CorruptEntryError("entry read incompletely"), f.reached)
         else:
             try:
-                fetched = (decode_verified(f.buf, f.header, f.start, f.hasher.hexdigest()), f.size)
+                fetched = (finish_entry(f.prepared, f.hasher.hexdigest()), f.size)
             except CorruptEntryError as exc:
                 fetched = (exc, f.size)
         if f.touch:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -236,10 +237,49 @@ def decode_entry(data: bytes | bytearray | memoryview | torch.Tensor) -> KVEntry
 def decode_verified(buf: torch.Tensor, header: dict[str, Any], start: int, digest: str) -> KVEntry:
     """Build the entry from `buf` whose checksum over header and data, `digest`, the caller computed
     (a reader hashes each chunk as it lands, while it is still in cache)."""
+    return finish_entry(prepare_entry(buf, header, start), digest)
+
+
+@dataclass(eq=False)
+class PreparedEntry:
+    """An entry's views into its buffer and its checked header fields, before its checksum is known."""
+
+    meta: dict[str, str]
+    tensors: dict[str, torch.Tensor]
+    fields: tuple[list, list, torch.dtype, str] | None = None  # shape, vshape, dtype, quant
+    entry: KVEntry | None = None  # built ahead for unquantised entries (views only: no data read)
+    error: CorruptEntryError | None = None  # a header field fault: raised after the checksum comparison
+
+
+def prepare_entry(buf: torch.Tensor, header: dict[str, Any], start: int) -> PreparedEntry:
+    """What a decode checks without the data, so a reader can do it once the header is in, while the
+    rest is still arriving: the tensor table (a fault raises here) and the header's fields (a fault
+    is kept: a checksum mismatch, if any, is the better diagnosis and is raised first). The views it
+    builds leave only through `finish_entry`, once the checksum matched."""
     meta = header["__metadata__"]
-    tensors = _views(buf, header, start)
-    if digest != meta.get("checksum"):
+    p = PreparedEntry(meta, _views(buf, header, start))
+    try:
+        p.fields = _fields(meta, p.tensors)
+        if p.fields[3] == "none":
+            p.entry = _build(p.tensors, meta, *p.fields)
+    except CorruptEntryError as exc:
+        p.error = exc
+    return p
+
+
+def finish_entry(p: PreparedEntry, digest: str) -> KVEntry:
+    """The entry, once `digest` (xxh3 over the header text and every data byte) matches its header."""
+    if digest != p.meta.get("checksum"):
         raise _corrupt("entry checksum mismatch")
+    if p.error is not None:
+        raise p.error
+    if p.entry is not None:
+        return p.entry
+    assert p.fields is not None
+    return _build(p.tensors, p.meta, *p.fields)  # int8: dequantised only now, from verified bytes
+
+
+def _fields(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> tuple[list, list, torch.dtype, str]:
     try:
         shape, vshape = json.loads(meta["shape"]), json.loads(meta["vshape"])
         dtype = _DTYPES[meta["dtype"]]
@@ -249,6 +289,10 @@ def decode_verified(buf: torch.Tensor, header: dict[str, Any], start: int, diges
     expected = {"k", "v"} if quant == "none" else {"k_q", "k_scale", "v_q", "v_scale"} if quant == "int8" else None
     if expected is None or not expected <= set(tensors) or set(tensors) - expected - {"ids"}:
         raise _corrupt("entry tensors do not match its header")
+    return shape, vshape, dtype, quant
+
+
+def _build(tensors: dict[str, torch.Tensor], meta: dict[str, str], shape: list, vshape: list, dtype: torch.dtype, quant: str) -> KVEntry:
     try:
         if quant == "none":
             keys, values = tensors["k"], tensors["v"]

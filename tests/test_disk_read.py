@@ -91,10 +91,13 @@ def test_a_file_that_shrinks_while_read_is_corrupt(tmp_path, small_pieces):
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        got, _ = read_entry(fd, torch.empty(size + 3000, dtype=torch.uint8))  # as if it lost 3000 bytes after fstat
+        os.truncate(path, size - 3000)  # after the reader sized its buffer
+        got, _ = read_entry(fd, torch.empty(size, dtype=torch.uint8))
+        assert isinstance(got, CorruptEntryError) and "shrank" in str(got)
+        got, _ = read_entry(fd, torch.empty(size + 100, dtype=torch.uint8))  # longer than the table says
+        assert isinstance(got, CorruptEntryError)
     finally:
         os.close(fd)
-    assert isinstance(got, CorruptEntryError) and "shrank" in str(got)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -207,3 +210,11 @@ def test_read_buffers_are_recycled_without_the_garbage_collector(tmp_path, small
         assert store.buffers.allocated == allocated and store.buffers.reused >= 20
     finally:
         gc.enable()
+
+
+def test_a_closed_store_still_reads_on_the_caller(tmp_path, small_pieces):
+    store = DiskStore(tmp_path, threads=2)
+    keys = fill(store, 3)
+    store.get_many(keys)
+    store.close()  # the helper pool refuses work now
+    assert all(same(g, entry(seed=i)) for i, g in enumerate(store.get_many(keys)))

@@ -3,11 +3,14 @@ the load share of TTFT.
 
 Tier figures (`tier_bandwidth`) use random entries of SmolLM2-135M's shape (30 layers x 3 KV heads
 x 150 tokens x 64 dims, fp32 keys and values: 6.9 MB an entry, 10 entries), so they need no model:
-memory, host and disk (warm page cache, the steady state of a serving store) `get_many`, next to a
-plain read of the same files into a reused buffer (the machine's read speed, single thread), that
-read plus an xxh3 of each file (the floor of any verified read), and on
+memory, host and disk (warm page cache, the steady state of a serving store) `get_many` -- the disk
+tier with its default reader threads (the CPU count, at most 4: each entry read into its own buffer
+and every piece hashed as it lands, see cache_backends/disk_read.py) and with one thread -- next to
+a plain read of the same files into one reused buffer (the machine's read speed, single thread, no
+check), that read plus an xxh3 of each file (the serial floor of a verified read), and on
 CUDA the host-to-device copy of the same bytes from pinned and from pageable memory. The rounds of
-each are interleaved, so a busy machine slows them alike; medians are reported.
+each are interleaved and medians reported; a busy machine still slows the multi-threaded disk read
+more than the single-threaded plain one, so compare them on an idle CPU.
 
     python -m kvrag.eval.store_bench OUT --tiers-only     # the tier table alone, no model
 
@@ -142,6 +145,7 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
         "entry_shape": list(next(iter(entries.values())).keys.shape),
         "entry_mb": file_bytes / len(keys) / 1e6,
         "cpus": os.cpu_count(),
+        "disk_threads": disk.threads,
         "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "cuda": torch.cuda.get_device_name(0) if cuda else None,
         "rows": rows,
