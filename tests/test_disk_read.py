@@ -218,3 +218,19 @@ def test_a_closed_store_still_reads_on_the_caller(tmp_path, small_pieces):
     store.get_many(keys)
     store.close()  # the helper pool refuses work now
     assert all(same(g, entry(seed=i)) for i, g in enumerate(store.get_many(keys)))
+
+
+def test_large_read_buffers_are_mmap_backed_and_live_as_long_as_their_views():
+    from kvrag.cache_backends.host import HUGE_MIN, BufferPool
+
+    pool = BufferPool()
+    buf = pool.take(HUGE_MIN + 12345)
+    assert buf.numel() == HUGE_MIN + 12345 and buf.dtype == torch.uint8
+    buf.fill_(7)
+    view = buf[HUGE_MIN:].view(torch.int8)
+    ptr = buf.data_ptr()
+    del buf
+    assert pool.take(HUGE_MIN + 100).data_ptr() != ptr  # still viewed: not handed out again
+    assert int(view.sum()) == 7 * 12345  # the memory is still there
+    del view
+    assert pool.take(HUGE_MIN + 100).data_ptr() == ptr
