@@ -179,7 +179,7 @@ class ReadBatch:
 
     def _work(self, me: _Worker, spawn: tuple[Executor, int] | None = None) -> None:
         """Until every entry is finished: hash what has landed, else read the next piece. A job's
-        outcome is published under the same lock as the next job is picked: two locks a piece."""
+        outcome is published under the same lock as the next job is picked: one lock a piece."""
         outcome: tuple[Any, ...] | None = None
         while True:
             with self._cv:
