@@ -123,7 +123,8 @@ def test_a_large_request_keeps_few_files_open(tmp_path, small_pieces):
     store._open_entry = counting  # type: ignore[method-assign]
     got = store.get_many(keys)
     assert all(same(g, entry(seed=i)) for i, g in enumerate(got))
-    assert max(seen) - before <= 4  # files are opened as readers reach them and closed once hashed
+    # files are opened a window at a time as threads reach them, and closed once hashed
+    assert max(seen) - before <= store.threads * (disk_read.WINDOW + 1) + 2 < 60
     assert open_fds() == before
 
 
