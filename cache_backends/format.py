@@ -15,6 +15,9 @@ offset is a multiple of its element size and the decoder can take aligned views.
 *view* it: no intermediate bytes object and no second host copy. The tensors keep the buffer alive;
 the buffer is never reused while any of them exists (see host.BufferPool). Given bytes, it makes
 one aligned copy first. Every length read from the header is bounded before anything is allocated.
+A reader that hashes as it reads splits the decode: `prepare_entry` (tensor table, views, header
+fields: no data needed, so it can run once the header is in) and `finish_entry` (the checksum
+comparison, then any deferred fault; int8 is dequantised only from verified bytes).
 
 Optional int8 storage (KIVI-style): keys are quantised per channel (one scale per layer, head and
 head-dim channel, over the tokens), values per token (one scale per layer, head and token, over
