@@ -15,6 +15,9 @@ offset is a multiple of its element size and the decoder can take aligned views.
 *view* it: no intermediate bytes object and no second host copy. The tensors keep the buffer alive;
 the buffer is never reused while any of them exists (see host.BufferPool). Given bytes, it makes
 one aligned copy first. Every length read from the header is bounded before anything is allocated.
+A reader that hashes as it reads splits the decode: `prepare_entry` (tensor table, views, header
+fields: no data needed, so it can run once the header is in) and `finish_entry` (the checksum
+comparison, then any deferred fault; int8 is dequantised only from verified bytes).
 
 Optional int8 storage (KIVI-style): keys are quantised per channel (one scale per layer, head and
 head-dim channel, over the tokens), values per token (one scale per layer, head and token, over
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -138,12 +142,17 @@ def _corrupt(msg: str) -> CorruptEntryError:
     return CorruptEntryError(msg)
 
 
-def parse_header(buf: torch.Tensor) -> tuple[dict[str, Any], int]:
-    """The JSON header and where the data starts; lengths bounded before anything is read."""
-    size = buf.numel()
+def _raw(buf: torch.Tensor | np.ndarray) -> np.ndarray:
+    return buf.numpy() if isinstance(buf, torch.Tensor) else buf
+
+
+def parse_header(buf: torch.Tensor | np.ndarray) -> tuple[dict[str, Any], int]:
+    """The JSON header and where the data starts; lengths bounded before anything is read. `buf`:
+    a uint8 tensor or numpy array (a reader's, which avoids a torch call per step)."""
+    raw = _raw(buf)
+    size = len(raw)
     if size < 8:
         raise _corrupt(f"entry of {size} bytes has no header")
-    raw = buf.numpy()
     n = int.from_bytes(raw[:8].tobytes(), "little")
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise _corrupt(f"header length {n} out of bounds (entry is {size} bytes)")
@@ -200,9 +209,9 @@ def _views(buf: torch.Tensor, header: dict[str, Any], start: int) -> dict[str, t
     return {name: torch.empty(0, dtype=dtype).set_(storage, (base + b) // dtype.itemsize, shape) for b, e, name, dtype, shape in spans}
 
 
-def checksum_start(buf: torch.Tensor, header: dict[str, Any], start: int) -> xxhash.xxh3_64:
+def checksum_start(buf: torch.Tensor | np.ndarray, header: dict[str, Any], start: int) -> xxhash.xxh3_64:
     """The entry checksum's hasher, fed the header text; feed it the data region next."""
-    text = buf[8:start].numpy().tobytes().rstrip(b" ")
+    text = _raw(buf)[8:start].tobytes().rstrip(b" ")
     field = _field(str(header["__metadata__"].get("checksum", ""))[:16])
     if text.count(field) != 1:
         raise _corrupt("entry checksum field missing or ambiguous")
@@ -231,10 +240,49 @@ def decode_entry(data: bytes | bytearray | memoryview | torch.Tensor) -> KVEntry
 def decode_verified(buf: torch.Tensor, header: dict[str, Any], start: int, digest: str) -> KVEntry:
     """Build the entry from `buf` whose checksum over header and data, `digest`, the caller computed
     (a reader hashes each chunk as it lands, while it is still in cache)."""
+    return finish_entry(prepare_entry(buf, header, start), digest)
+
+
+@dataclass(eq=False)
+class PreparedEntry:
+    """An entry's views into its buffer and its checked header fields, before its checksum is known."""
+
+    meta: dict[str, str]
+    tensors: dict[str, torch.Tensor]
+    fields: tuple[list, list, torch.dtype, str] | None = None  # shape, vshape, dtype, quant
+    entry: KVEntry | None = None  # built ahead for unquantised entries (views only: no data read)
+    error: CorruptEntryError | None = None  # a header field fault: raised after the checksum comparison
+
+
+def prepare_entry(buf: torch.Tensor, header: dict[str, Any], start: int) -> PreparedEntry:
+    """What a decode checks without the data, so a reader can do it once the header is in, while the
+    rest is still arriving: the tensor table (a fault raises here) and the header's fields (a fault
+    is kept: a checksum mismatch, if any, is the better diagnosis and is raised first). The views it
+    builds leave only through `finish_entry`, once the checksum matched."""
     meta = header["__metadata__"]
-    tensors = _views(buf, header, start)
-    if digest != meta.get("checksum"):
+    p = PreparedEntry(meta, _views(buf, header, start))
+    try:
+        p.fields = _fields(meta, p.tensors)
+        if p.fields[3] == "none":
+            p.entry = _build(p.tensors, meta, *p.fields)
+    except CorruptEntryError as exc:
+        p.error = exc
+    return p
+
+
+def finish_entry(p: PreparedEntry, digest: str) -> KVEntry:
+    """The entry, once `digest` (xxh3 over the header text and every data byte) matches its header."""
+    if digest != p.meta.get("checksum"):
         raise _corrupt("entry checksum mismatch")
+    if p.error is not None:
+        raise p.error
+    if p.entry is not None:
+        return p.entry
+    assert p.fields is not None
+    return _build(p.tensors, p.meta, *p.fields)  # int8: dequantised only now, from verified bytes
+
+
+def _fields(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> tuple[list, list, torch.dtype, str]:
     try:
         shape, vshape = json.loads(meta["shape"]), json.loads(meta["vshape"])
         dtype = _DTYPES[meta["dtype"]]
@@ -244,6 +292,10 @@ def decode_verified(buf: torch.Tensor, header: dict[str, Any], start: int, diges
     expected = {"k", "v"} if quant == "none" else {"k_q", "k_scale", "v_q", "v_scale"} if quant == "int8" else None
     if expected is None or not expected <= set(tensors) or set(tensors) - expected - {"ids"}:
         raise _corrupt("entry tensors do not match its header")
+    return shape, vshape, dtype, quant
+
+
+def _build(tensors: dict[str, torch.Tensor], meta: dict[str, str], shape: list, vshape: list, dtype: torch.dtype, quant: str) -> KVEntry:
     try:
         if quant == "none":
             keys, values = tensors["k"], tensors["v"]

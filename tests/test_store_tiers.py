@@ -398,6 +398,7 @@ def test_tier_bandwidth_reports_every_tier_beside_the_plain_read(tmp_path):
     t = tier_bandwidth(tmp_path, random_entries(3, shape=(2, 1, 16, 8)), rounds=2)
     paths = [r["path"] for r in t["rows"]]
     assert "plain file read" in paths and any(p.startswith("disk get_many") for p in paths)
+    assert "plain file read, a buffer per file" in paths and t["disk_threads"] >= 1
     assert "memory get_many" in paths and "host get_many" in paths
     assert all(r["gb_s"] > 0 for r in t["rows"])
     assert "| plain file read |" in tiers_markdown(t)

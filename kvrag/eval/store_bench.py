@@ -3,11 +3,16 @@ the load share of TTFT.
 
 Tier figures (`tier_bandwidth`) use random entries of SmolLM2-135M's shape (30 layers x 3 KV heads
 x 150 tokens x 64 dims, fp32 keys and values: 6.9 MB an entry, 10 entries), so they need no model:
-memory, host and disk (warm page cache, the steady state of a serving store) `get_many`, next to a
-plain read of the same files into a reused buffer (the machine's read speed, single thread), that
-read plus an xxh3 of each file (the floor of any verified read), and on
+memory, host and disk (warm page cache, the steady state of a serving store) `get_many` -- the disk
+tier with its default reader threads (the CPU count, at most 4: each entry read into its own buffer
+and every piece hashed as it lands, see cache_backends/disk_read.py) and with one thread -- next to
+a plain read of the same files into one reused buffer (the machine's read speed, single thread, no
+check; the `x plain read` column divides by it), the same read into a buffer per file (what any
+reader that hands back each entry in memory of its own pays before any check), the one-buffer
+read plus an xxh3 of each file (the serial floor of a verified read), and on
 CUDA the host-to-device copy of the same bytes from pinned and from pageable memory. The rounds of
-each are interleaved, so a busy machine slows them alike; medians are reported.
+each are interleaved and medians reported; a busy machine still slows the multi-threaded disk read
+more than the single-threaded plain one, so compare them on an idle CPU.
 
     python -m kvrag.eval.store_bench OUT --tiers-only     # the tier table alone, no model
 
@@ -28,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from kvrag.cache_backends import DiskStore, HostStore, KVEntry, KVStore, MemoryStore, content_key, open_store
+from kvrag.cache_backends.host import BufferPool
 
 SMOLLM2_SHAPE = (30, 3, 150, 64)  # layers, KV heads, tokens, head dim
 
@@ -75,6 +81,22 @@ def plain_read(paths: list[Path]) -> Callable[[], None]:
     return run
 
 
+def plain_read_per_file(paths: list[Path]) -> Callable[[], None]:
+    """The machine's read into a buffer per file (each reused across rounds, from the allocator the
+    disk tier reads into), one thread, no check: the floor of any reader that hands back every
+    entry in memory of its own, as the disk tier's zero-copy views must. The plain read above
+    reuses one buffer, which stays in cache; ten distinct ones cannot."""
+    pool = BufferPool()
+    views = [memoryview(pool.take(p.stat().st_size).numpy()) for p in paths]
+
+    def run() -> None:
+        for p, view in zip(paths, views):
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(view)
+
+    return run
+
+
 def plain_read_hashed(paths: list[Path]) -> Callable[[], None]:
     """The machine's read plus the xxh3 checksum of each file: the floor of any verified read."""
     import xxhash
@@ -111,6 +133,7 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
         f"disk get_many (default: {disk.threads} thread{'s' * (disk.threads > 1)})": lambda: disk.get_many(keys),
         f"disk get_many ({alt} thread{'s' * (alt > 1)})": lambda: disk1.get_many(keys),
         "plain file read": plain_read(paths),
+        "plain file read, a buffer per file": plain_read_per_file(paths),
         "plain file read + xxh3": plain_read_hashed(paths),
     }
     if cuda:
@@ -142,6 +165,7 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
         "entry_shape": list(next(iter(entries.values())).keys.shape),
         "entry_mb": file_bytes / len(keys) / 1e6,
         "cpus": os.cpu_count(),
+        "disk_threads": disk.threads,
         "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "cuda": torch.cuda.get_device_name(0) if cuda else None,
         "rows": rows,
