@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from kvrag.errors import UnsupportedModelError
 
@@ -162,12 +162,13 @@ def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
 def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> str:
     """The SDPA backend these inputs dispatch to (asked, not guessed: torch's own choice function)."""
     try:
-        if isinstance(mask, torch.Tensor) or mask is None:
-            return _BACKENDS.get(int(torch._fused_sdp_choice(q, k, v, mask, 0.0, False, enable_gqa=gqa)), "unknown")
-        if q.is_cuda:  # lower-right causal bias: the efficient kernel when it can, else a materialised mask
-            params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, gqa)
-            return "efficient_attention" if torch.backends.cuda.can_use_efficient_attention(params) else "math"
-        return "materialised_mask"
+        if isinstance(mask, CausalBias):  # (a Tensor subclass, so asked about first)
+            if q.is_cuda:  # lower-right causal: the efficient kernel with no mask tensor when it can
+                params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, gqa)
+                if torch.backends.cuda.can_use_efficient_attention(params):
+                    return "efficient_attention"
+            mask = mask._materialize(q.device)  # what torch does with it elsewhere
+        return _BACKENDS.get(int(torch._fused_sdp_choice(q, k, v, mask, 0.0, False, enable_gqa=gqa)), "unknown")
     except (AttributeError, RuntimeError, TypeError):
         return "unknown"
 
