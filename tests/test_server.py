@@ -216,7 +216,7 @@ def test_health_and_metrics(http, live):
     m = metric_samples(r.text)
     assert m[("kvrag_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 1
     assert m[("kvrag_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "400")))] >= 1
-    assert m[("kvrag_ttft_seconds_count", ())] >= 1
+    assert m[("kvrag_ttft_seconds_count", ())] >= 1  # how many TTFTs were observed (a count, not a time)
     assert m[("kvrag_cache_hits_total", ())] >= 1
     assert m[("kvrag_bytes_loaded_total", ())] > 0
     assert ("kvrag_recomputed_tokens_total", ()) in m and ("kvrag_cache_misses_total", ()) in m
