@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -65,6 +65,24 @@ def rule_cut(text: str, rule: str) -> int:
         if m is not None and (cut < 0 or m.end() < cut):
             cut = m.end()
     return cut
+
+def leading_echo(text: str, start: int, headers: Collection[str]) -> tuple[int, int | None]:
+    """Skip the complete lines at the head of text[start:] that only repeat one of the prompt's
+    chunk headers (`headers`, e.g. "Document: eiffel"): a reused cache sometimes makes a model
+    recite a header before it answers, and a header is never the answer (nor its first line, for
+    the stop rules). Returns where the answer starts now and, while its first line is unfinished
+    and could still become such a header, where that line begins (hold it back), else None."""
+    while headers:
+        at = len(text) - len(text[start:].lstrip())
+        nl = text.find("\n", at)
+        line = text[at : nl if nl >= 0 else len(text)].strip()
+        if nl < 0:
+            return start, (at if any(h.startswith(line) for h in headers) else None)
+        if line not in headers:
+            break
+        start = nl + 1
+    return start, None
+
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -160,6 +178,7 @@ class DecodeState:
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    echoed: str = ""  # leading lines that only repeated a chunk header, left out of the answer
 
 
 class EagerStep:
@@ -207,11 +226,13 @@ def stream_tokens(
     cfg: DecodeConfig,
     state: DecodeState,
     max_position: int | None = None,
+    headers: Collection[str] = (),
 ) -> Iterator[str]:
-    """Yield text pieces as tokens are generated; stops at eos, a stop string or max_new_tokens."""
+    """Yield text pieces as tokens are generated; stops at eos, a stop string or max_new_tokens.
+    Leading lines that only repeat one of `headers` (the prompt's chunk headers) are left out."""
     forward = LazyStep(lambda: stepper(lm, cache, next_position, cfg, max_position))
     try:
-        yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position)
+        yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position, headers)
     finally:  # also when the stream is abandoned: the cache reads as decoded so far
         forward.close()
 
@@ -241,8 +262,10 @@ def _stream(
     cfg: DecodeConfig,
     state: DecodeState,
     max_position: int | None,
+    headers: Collection[str] = (),
 ) -> Iterator[str]:
-    """The decode loop itself; `forward` is the only part that differs between eager and static."""
+    """The decode loop itself; `forward` is the only part that differs between eager and static.
+    The answer is text[start:]: what follows any leading header echo (never emitted)."""
     tok = lm.tokenizer
     stops = [s for s in cfg.stop if s]
     hold = max((len(s) for s in stops), default=1) - 1
@@ -251,7 +274,7 @@ def _stream(
     if cfg.seed is not None:
         gen = torch.Generator(device=first_logits.device).manual_seed(cfg.seed)
     logits = first_logits
-    emitted = 0
+    emitted = start = 0
     detok = IncrementalText(tok)
     pos = next_position
     for step in range(cfg.max_new_tokens):
@@ -262,16 +285,16 @@ def _stream(
         state.token_ids.append(token)
         detok.add(token)
         text = detok.text
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        done = rule_cut(text, cfg.stop_at)
-        if done >= 0 and (cut < 0 or done < cut):
-            cut = done
+        start, held = leading_echo(text, start, headers)
+        emitted = max(emitted, start)
+        cut = _answer_cut(text, start, stops, cfg.stop_at)
         if cut >= 0:
             if cut > emitted:
                 yield text[emitted:cut]
             state.finish_reason = "stop"
+            state.echoed = text[:start]
             return
-        safe = len(text) - hold
+        safe = len(text) - hold if held is None else min(len(text) - hold, held)
         if safe > emitted:
             yield text[emitted:safe]
             emitted = safe
@@ -284,9 +307,22 @@ def _stream(
         state.finish_reason = state.finish_reason or "length"
     detok.flush()
     text = detok.text
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    start, _ = leading_echo(text, start, headers)  # an unfinished header-like line at the end is kept
+    emitted = max(emitted, start)
+    state.echoed = text[:start]
+    cut = _answer_cut(text, start, stops, "none")
     if cut >= 0:
         text = text[:cut]
         state.finish_reason = "stop"
     if len(text) > emitted:
         yield text[emitted:]
+
+
+def _answer_cut(text: str, start: int, stops: Sequence[str], rule: str) -> int:
+    """Where the answer text[start:] ends: the first stop string or the stop rule's cut (-1: not yet)."""
+    answer = text[start:]
+    cut = min((answer.find(s) for s in stops if s in answer), default=-1)
+    done = rule_cut(answer, rule)
+    if done >= 0 and (cut < 0 or done < cut):
+        cut = done
+    return cut + start if cut >= 0 else -1

@@ -136,6 +136,20 @@ class PromptLayout:
         template = self.chunk_template if chunk.title else self.untitled_chunk_template
         return template.format(title=chunk.title, text=chunk.text)
 
+    def header_lines(self, chunks: Sequence[Chunk]) -> set[str]:
+        """The lines the chunk template puts above each chunk's text ("Document: eiffel"): a model
+        that recites one before answering has not started its answer (see decode.leading_echo).
+        Only a header on a line of its own counts; a template with none gives none."""
+        mark = "\x00KVRAG_TEXT\x00"
+        lines = set()
+        for c in chunks:
+            head = (self.chunk_template if c.title else self.untitled_chunk_template).format(title=c.title, text=mark).split(mark, 1)[0]
+            if head.endswith("\n"):
+                line = head.strip().splitlines()[-1].strip() if head.strip() else ""
+                if line:
+                    lines.add(line)
+        return lines
+
     def chunk_ids(self, chunk: Chunk) -> list[int]:
         """Token ids of a chunk; memoised, since every answer re-reads the same chunks."""
         text = self.chunk_text(chunk)

@@ -232,7 +232,8 @@ class RequestPipeline:
     def _tokens(self, pre: Prefill, cfg: DecodeConfig) -> Iterator[str]:
         state = DecodeState()
         t = clock(self.lm.device)
-        tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context)
+        headers = self.repo.layout.header_lines(pre.chunks)
+        tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context, headers)
         while True:
             with self.lm.lock:
                 piece = next(tokens, None)
@@ -242,3 +243,4 @@ class RequestPipeline:
         pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
         pre.stats.decode_s = clock(self.lm.device) - t
         pre.stats.generated_tokens = len(state.token_ids)
+        pre.stats.echoed_header = state.echoed.strip()

@@ -49,6 +49,7 @@ class AnswerStats:
     layerwise: bool = False
     layer_load_s: float = 0.0
     load_wait_s: float = 0.0
+    echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
 
     @property
     def decode_tokens_per_s(self) -> float:

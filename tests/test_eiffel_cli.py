@@ -1,5 +1,7 @@
 """Issue #17: on the bundled model, the three-document Eiffel question is answered "1889" through
-the CLI by Full Attention, plain reuse and every method at r = 0.15 (the default stop rule on)."""
+the CLI by Full Attention, plain reuse and every method at r = 0.15 (the default stop rule on).
+A3 and SamKV recite a chunk header first ("Document: eiffel"); that line is left out of the answer
+(decode.leading_echo), so their answer is the line after it."""
 
 import json
 
@@ -14,10 +16,7 @@ DOCS = {
     "fuji.txt": "Mount Fuji is the highest mountain in Japan.",
     "wall.txt": "The Great Wall of China is thousands of kilometres long.",
 }
-ECHOES = pytest.mark.xfail(
-    strict=False, reason="may answer with the chunk header it echoes ('Document: eiffel'): open in issue #17"
-)
-METHODS = ["full", "reuse", "cacheblend", "epic", pytest.param("a3", marks=ECHOES), "fusionrag", pytest.param("samkv", marks=ECHOES)]
+METHODS = ["full", "reuse", "cacheblend", "epic", "a3", "fusionrag", "samkv"]
 
 
 @pytest.fixture(scope="module")
