@@ -423,6 +423,9 @@ def add_check_model_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--shape", default=None,
+                   help="check a public model's shapes with random weights instead (kvrag/shapes: llama-3.2-1b, llama-3.1-8b, "
+                        "qwen2.5-7b): the gate at 1B-8B depth and width, nothing downloaded")
     p.set_defaults(func=cmd_check_model)
     return p
 
@@ -434,9 +437,19 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     """
     source = args.model if args.model not in (None, "", "bundled") else None
     device, dtype = getattr(args, "device", "auto") or "auto", getattr(args, "dtype", "auto") or "auto"
+    shape = getattr(args, "shape", None)
+    if shape:
+        from kvrag.eval.speed import random_model, shape_config
+
+        shape_config(shape)  # an unknown name fails before anything loads
     print(f"loading model ({source or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
     try:
-        lm = load_model(source, device=device, dtype=dtype)
+        if shape:
+            tokenizer = load_model(source).tokenizer  # any tokenizer: its ids fit every shape's vocabulary
+            print(f"building {shape} with random weights (the gate's numerics only) ...", file=sys.stderr)
+            lm = random_model(shape, tokenizer, device=device, dtype=dtype)
+        else:
+            lm = load_model(source, device=device, dtype=dtype)
     except UnsupportedModelError as exc:
         dev = resolve_device(device).type
         report = _refused(str(source or "bundled"), exc, dev, str(resolve_dtype(dtype, dev)))

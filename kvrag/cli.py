@@ -16,6 +16,7 @@ from typing import Sequence
 from kvrag.documents import DEFAULT_MAX_CHUNK_TOKENS
 from kvrag.cli_types import positive_int, ratio_or_auto
 from kvrag.decode import STOP_RULES
+from kvrag.eval.speed import LAYERWISE_CHOICES
 from kvrag.errors import KVRagError
 from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT
 from kvrag.samples import sample_corpus_dir, sample_questions
@@ -108,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="context sizes for the TTFT-vs-length sweep, e.g. 512,1k,2k,4k ('none' skips it in quality mode)")
     bench.add_argument("--chunk-tokens", type=int, default=None, help="speed sweep: tokens per chunk (default 400; 128 with --quick)")
     bench.add_argument("--repeats", type=int, default=3, help="speed sweep: repeats per point (medians)")
+    bench.add_argument("--layerwise", choices=LAYERWISE_CHOICES, default="auto",
+                       help="speed sweep: layer-wise KV loading behind compute; auto: on for CUDA; both: every cached setting with and without")
+    bench.add_argument("--decode-tokens", type=int, default=0, help="speed sweep: also decode this many tokens after each setting's prefill and report tokens/s")
     bench.add_argument("--shape", default=None, help="speed mode: a model shape from kvrag/shapes (llama-3.2-1b, llama-3.1-8b, qwen2.5-7b)")
     bench.add_argument("--random-weights", action="store_true", help="speed mode with --shape: build the shape with random weights")
     bench.add_argument("--quick", action="store_true", help="a few examples and small contexts: the whole harness in a few minutes")

@@ -9,7 +9,7 @@ from kvrag.cli import main
 from kvrag.eval.data import Example, sample_examples
 from kvrag.eval.report import load_records, summarize, write_report
 from kvrag.eval.runner import Setting, make_settings, run
-from kvrag.eval.speed import corpus_chunks, parse_sizes, shape_config, shape_names, speed_sweep
+from kvrag.eval.speed import SweepOptions, corpus_chunks, load_share, parse_sizes, shape_config, shape_names, speed_markdown, speed_sweep
 from kvrag.types import Chunk
 from tiny import tiny_model, tiny_tokenizer
 
@@ -72,12 +72,31 @@ def test_auto_ratio_and_gradual_settings_record_the_ratio_chosen(tmp_path):
 
 def test_speed_sweep_pairs_every_setting_with_full():
     rag = tiny_rag()
-    rows = speed_sweep(rag, [64, 128], [Setting("reuse"), Setting("a3", 0.15)], chunk_tokens=32, repeats=2, progress=False)
+    rows = speed_sweep(rag, [64, 128], [Setting("reuse"), Setting("a3", 0.15)], SweepOptions(chunk_tokens=32, repeats=2, progress=False))
     assert [(r["setting"], r["chunks"]) for r in rows] == [(s, n) for n in (2, 4) for s in ("full", "reuse", "a3@0.15")]
     for r in rows:
         assert r["ttft_s"] > 0 and r["full_ratio"] > 0
         assert r["context_tokens"] >= r["chunks"] * 32
     assert {r["full_ratio"] for r in rows if r["setting"] == "full"} == {1.0}
+
+
+def test_speed_sweep_times_layerwise_loading_both_ways_and_the_decode_rate():
+    rag = tiny_rag()
+    opts = SweepOptions(chunk_tokens=32, repeats=1, decode_tokens=6, layerwise="both", progress=False)
+    rows = speed_sweep(rag, [64], [Setting("reuse"), Setting("cacheblend", 0.15)], opts)
+    names = [r["setting"] for r in rows]
+    assert names == ["full", "reuse [layer-wise]", "reuse [whole]", "cacheblend@0.15 [layer-wise]", "cacheblend@0.15 [whole]"]
+    by = {r["setting"]: r for r in rows}
+    assert by["reuse [layer-wise]"]["layerwise"] is True and by["reuse [whole]"]["layerwise"] is False
+    assert by["full"]["layerwise"] is False  # Full Attention loads nothing
+    assert rag.repo.layerwise is None  # the engine's own setting is back
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and 1 <= r["decoded_tokens"] <= 6
+        assert 0.0 <= load_share(r) <= 1.0
+    md = speed_markdown(rows)
+    assert "decode tok/s" in md and "reuse [whole]" in md
+    with pytest.raises(ValueError, match="layerwise"):
+        SweepOptions(layerwise="sometimes")
 
 
 def test_sizes_shapes_and_sample_data():
@@ -98,7 +117,7 @@ def test_sizes_shapes_and_sample_data():
 @pytest.mark.smollm
 def test_quick_bench_end_to_end(kvrag_home, tmp_path, capsys):
     out = tmp_path / "quick"
-    assert main(["bench", "--quick", "--n", "2", "--contexts", "256,512", "--out", str(out)]) == 0
+    assert main(["bench", "--quick", "--n", "2", "--contexts", "256,512", "--decode-tokens", "2", "--out", str(out)]) == 0
     for name in ("records.jsonl", "summary.json", "summary.md", "quality_vs_ratio.png", "speed.json", "speed.md", "ttft_vs_context.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     rows = {r["setting"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
@@ -108,6 +127,7 @@ def test_quick_bench_end_to_end(kvrag_home, tmp_path, capsys):
     assert rows["samkv@0.15"]["kept_kv_ratio"] < 1.0
     speed = json.loads((out / "speed.json").read_text())
     assert {r["context_tokens"] // 100 for r in speed["rows"]} and speed["meta"]["random_weights"] is False
+    assert all(r["decode_tok_s"] > 0 for r in speed["rows"]) and speed["meta"]["decode_tokens"] == 2
     assert "## Quality" in (out / "summary.md").read_text()
 
 

@@ -284,6 +284,22 @@ def test_check_model_command_fails_with_the_failing_check_named(tmp_path, capsys
     assert last.startswith("kvrag: error: kvrag cannot serve") and "failed check sliding window" in last
 
 
+def test_check_model_command_checks_a_shape_with_random_weights(tmp_path, capsys, monkeypatch):
+    """`--shape NAME` (kvrag/shapes) builds that shape with random weights: the gate at 1B-8B scale
+    with nothing downloaded. Here a tiny config stands in for a shape file."""
+    import kvrag.eval.speed as speed
+
+    tiny_cfg = tiny_model("qwen2").config
+    real = speed.shape_config
+    monkeypatch.setattr(speed, "shape_config", lambda name: tiny_cfg if name == "tiny-qwen2" else real(name))
+    folder = saved(tiny_model("llama"), tmp_path / "tok")  # only its tokenizer is used
+    assert cli(["check-model", folder, "--shape", "tiny-qwen2", "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["source"] == "random:tiny-qwen2"
+    with pytest.raises(ValueError, match="unknown shape"):
+        cli(["check-model", "--shape", "gpt-9"])
+
+
 def test_check_model_command_on_a_model_without_rope(tmp_path, capsys):
     tok = tiny_tokenizer()
     folder = saved(GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2)), tmp_path / "gpt2")

@@ -17,7 +17,7 @@ from kvrag.eval.deviation import deviation_study
 from kvrag.eval.report import load_records, markdown_table, merge_records, summarize, write_report
 from kvrag.eval.runner import Setting, hardware, make_settings, parse_method, run, split_methods
 from kvrag.eval.store_bench import run_store_bench, store_markdown
-from kvrag.eval.speed import RANDOM_WEIGHTS_NOTE, parse_sizes, random_model, speed_markdown, speed_sweep, write_speed
+from kvrag.eval.speed import RANDOM_WEIGHTS_NOTE, SweepOptions, parse_sizes, random_model, speed_markdown, speed_sweep, write_speed
 from kvrag.model import load_model
 
 QUICK = {"n": 4, "ratios": "0.15,0.3", "max_new_tokens": 8, "contexts": "256,512,1k", "chunk_tokens": 128, "repeats": 1}
@@ -110,9 +110,11 @@ def _named_adapters(specs: list[str]) -> dict[str, Path]:
 def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float, meta: dict, store: str, random_weights: bool = False) -> None:
     parsed = [parse_method(m) for m in methods]
     settings = [Setting("full"), Setting("reuse")] + [Setting(m, ratio, params=p) for m, p in parsed if m not in ("full", "reuse")]
-    rows = speed_sweep(rag, parse_sizes(args.contexts), settings, chunk_tokens=args.chunk_tokens, repeats=args.repeats)
+    opts = SweepOptions(chunk_tokens=args.chunk_tokens, repeats=args.repeats, decode_tokens=args.decode_tokens, layerwise=args.layerwise)
+    rows = speed_sweep(rag, parse_sizes(args.contexts), settings, opts)
     meta = {**meta, "model": rag.lm.source, "device": str(rag.lm.device), "dtype": str(rag.lm.dtype).replace("torch.", ""),
-            "chunk_tokens": args.chunk_tokens, "repeats": args.repeats, "store": store, "random_weights": random_weights}
+            "chunk_tokens": args.chunk_tokens, "repeats": args.repeats, "store": store, "random_weights": random_weights,
+            "layerwise": args.layerwise, "decode_tokens": args.decode_tokens}
     write_speed(rows, args.out, meta)
     print(speed_markdown(rows))
 

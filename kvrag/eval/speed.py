@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -81,6 +82,48 @@ def corpus_chunks(tokenizer: Any, n: int, tokens: int) -> list[Chunk]:
     return chunks
 
 
+LAYERWISE_CHOICES = ("auto", "on", "off", "both")
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """How the sweep runs: chunk size, repeats, the decode-rate measurement and layer-wise loading.
+
+    `layerwise`: "auto" leaves the engine's default (on for CUDA); "on"/"off" force it; "both" times
+    every cached setting both ways, so the table shows what prefetching layers behind compute saves.
+    `decode_tokens` > 0: after the timed prefills of each size, each setting answers once more and
+    decodes that many tokens (no stop rule), and its row gives the decode rate (tokens/s)."""
+
+    chunk_tokens: int = 400
+    repeats: int = 3
+    decode_tokens: int = 0
+    layerwise: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.layerwise not in LAYERWISE_CHOICES:
+            raise ValueError(f"layerwise must be one of {LAYERWISE_CHOICES}, got {self.layerwise!r}")
+        if self.chunk_tokens < 1 or self.repeats < 1 or self.decode_tokens < 0:
+            raise ValueError("chunk_tokens >= 1, repeats >= 1 and decode_tokens >= 0 are required")
+
+    def modes(self) -> list[bool | None]:
+        return {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[self.layerwise]
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """A setting timed with one layer-wise choice (None: the engine's default)."""
+
+    setting: Setting
+    layerwise: bool | None = None
+
+    @property
+    def name(self) -> str:
+        if self.layerwise is None:
+            return self.setting.name
+        return f"{self.setting.name} [{'layer-wise' if self.layerwise else 'whole'}]"
+
+
 @dataclass
 class _Timing:
     ttft_s: float
@@ -90,14 +133,31 @@ class _Timing:
     kept_kv_ratio: float
     kv_mb: float
     peak_gpu_mb: float | None
+    layerwise: bool
+    load_wait_s: float
 
 
-def _timed(rag: KVRag, chunks: Sequence[Chunk], st: Setting) -> _Timing:
+@contextmanager
+def _layerwise(rag: KVRag, choice: bool | None):
+    """Time with layer-wise loading forced on or off (None: as the engine is set)."""
+    repo = rag.repo
+    before = repo.layerwise
+    if choice is not None:
+        repo.layerwise = choice
+    try:
+        yield
+    finally:
+        repo.layerwise = before
+
+
+def _timed(rag: KVRag, chunks: Sequence[Chunk], v: _Variant) -> _Timing:
+    st = v.setting
     cuda = rag.lm.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    pre = rag.prefill(QUESTION, chunks=list(chunks), method=st.method, recompute_ratio=st.ratio, **dict(st.params))
+    with _layerwise(rag, v.layerwise):
+        pre = rag.prefill(QUESTION, chunks=list(chunks), method=st.method, recompute_ratio=st.ratio, **dict(st.params))
     s = pre.stats
     kv = pre.stitched.nbytes if pre.stitched is not None else 0
     return _Timing(
@@ -108,43 +168,65 @@ def _timed(rag: KVRag, chunks: Sequence[Chunk], st: Setting) -> _Timing:
         kept_kv_ratio=s.kept_kv_ratio,
         kv_mb=kv / 1e6,
         peak_gpu_mb=torch.cuda.max_memory_allocated() / 1e6 if cuda else None,
+        layerwise=s.layerwise,
+        load_wait_s=s.load_wait_s,
     )
+
+
+def _decode_rate(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, tokens: int) -> tuple[float, int]:
+    """Tokens/s of decoding `tokens` tokens after this setting's prefill (and how many came: a
+    random-weight model may hit an end token first)."""
+    st = v.setting
+    with _layerwise(rag, v.layerwise):
+        ans = rag.answer(QUESTION, chunks=list(chunks), method=st.method, recompute_ratio=st.ratio,
+                         max_new_tokens=tokens, stop_at="none", **dict(st.params))
+    return ans.stats.decode_tokens_per_s, ans.stats.generated_tokens
+
+
+def _variants(settings: Sequence[Setting], opts: SweepOptions) -> list[_Variant]:
+    if not any(st.method == "full" for st in settings):
+        settings = [Setting("full"), *settings]
+    out = []
+    for st in settings:
+        modes = [None] if st.method == "full" else opts.modes()  # Full Attention loads nothing
+        out += [_Variant(st, m) for m in modes]
+    return out
 
 
 def speed_sweep(
     rag: KVRag,
     contexts: Sequence[int],
     settings: Sequence[Setting],
-    chunk_tokens: int = 400,
-    repeats: int = 3,
-    progress: bool = True,
+    opts: SweepOptions | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (context size, setting): median TTFT and its split, and the median Full ÷ setting ratio."""
-    limit = rag.lm.max_context - 256  # room for the prefix, question and a few answer tokens
+    """One row per (context size, setting[, layer-wise choice]): median TTFT and its split, and the
+    median Full ÷ setting ratio; with `opts.decode_tokens`, the decode rate after that prefill."""
+    opts = opts or SweepOptions()
+    limit = rag.lm.max_context - 256 - opts.decode_tokens  # room for the prefix, question and the answer
     sizes = [c for c in contexts if c <= limit]
     for c in contexts:
         if c > limit:
             print(f"note: context {c} skipped: the model's context is {rag.lm.max_context} tokens")
-    if not any(st.method == "full" for st in settings):
-        settings = [Setting("full"), *settings]
+    variants = _variants(settings, opts)
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=len(sizes) * repeats * len(settings), desc="speed", unit="prefill", disable=not progress)
+    steps = len(sizes) * len(variants) * (opts.repeats + (1 if opts.decode_tokens else 0))
+    bar = tqdm(total=steps, desc="speed", unit="prefill", disable=not opts.progress)
     for size in sizes:
-        chunks = corpus_chunks(rag.lm.tokenizer, max(1, round(size / chunk_tokens)), chunk_tokens)
+        chunks = corpus_chunks(rag.lm.tokenizer, max(1, round(size / opts.chunk_tokens)), opts.chunk_tokens)
         rag.precompute(chunks, progress=False)  # offline work, not timed
         rag.prefill(QUESTION, chunks=chunks, method="reuse")  # warm-up: the store serves from a warm page cache
-        runs: dict[str, list[_Timing]] = {st.name: [] for st in settings}
-        for _ in range(repeats):
-            for st in settings:
-                runs[st.name].append(_timed(rag, chunks, st))
+        runs: dict[str, list[_Timing]] = {v.name: [] for v in variants}
+        for _ in range(opts.repeats):
+            for v in variants:
+                runs[v.name].append(_timed(rag, chunks, v))
                 bar.update(1)
         full = runs["full"]
-        for st in settings:
-            ts = runs[st.name]
+        for v in variants:
+            ts = runs[v.name]
             row = {
-                "setting": st.name,
-                "method": st.method,
-                "ratio": 1.0 if st.method == "full" else st.ratio,
+                "setting": v.name,
+                "method": v.setting.method,
+                "ratio": 1.0 if v.setting.method == "full" else v.setting.ratio,
                 "chunks": len(chunks),
                 "context_tokens": ts[0].context_tokens,
                 "ttft_s": statistics.median(t.ttft_s for t in ts),
@@ -153,27 +235,40 @@ def speed_sweep(
                 "kept_kv_ratio": ts[0].kept_kv_ratio,
                 "kv_mb": ts[0].kv_mb,
                 "peak_gpu_mb": max((t.peak_gpu_mb or 0.0) for t in ts) if ts[0].peak_gpu_mb is not None else None,
-                "repeats": repeats,
+                "layerwise": ts[0].layerwise,
+                "load_wait_s": statistics.median(t.load_wait_s for t in ts),
+                "repeats": opts.repeats,
             }
             for part in ts[0].parts:
                 row[part] = statistics.median(t.parts[part] for t in ts)
+            if opts.decode_tokens:
+                row["decode_tok_s"], row["decoded_tokens"] = _decode_rate(rag, chunks, v, opts.decode_tokens)
+                bar.update(1)
             rows.append(row)
     bar.close()
     return rows
 
 
+def load_share(row: dict[str, Any]) -> float:
+    """The part of TTFT spent waiting for KV: all of the load, plus (layer-wise) the waits inside the passes."""
+    if row["ttft_s"] <= 0:
+        return 0.0
+    return (row["load_s"] + row.get("load_wait_s", 0.0)) / row["ttft_s"]
+
+
 def speed_markdown(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         "| context tokens | setting | TTFT ms | Full ÷ setting | load ms | stitch ms | select ms | recompute + question ms | "
-        "load share | KV MB | peak GPU MB |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "load share | KV MB | peak GPU MB | decode tok/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
-        share = r["load_s"] / r["ttft_s"] if r["ttft_s"] > 0 else 0.0
         gpu = "–" if r.get("peak_gpu_mb") is None else f"{r['peak_gpu_mb']:.0f}"
+        dec = f"{r['decode_tok_s']:.0f}" if r.get("decode_tok_s") else "–"
         lines.append(
             f"| {r['context_tokens']} | {r['setting']} | {r['ttft_s'] * 1000:.0f} | {r['full_ratio']:.1f}× | {r['load_s'] * 1000:.0f} | "
-            f"{r['stitch_s'] * 1000:.0f} | {r['select_s'] * 1000:.0f} | {r['recompute_s'] * 1000:.0f} | {share:.0%} | {r['kv_mb']:.1f} | {gpu} |"
+            f"{r['stitch_s'] * 1000:.0f} | {r['select_s'] * 1000:.0f} | {r['recompute_s'] * 1000:.0f} | {load_share(r):.0%} | "
+            f"{r['kv_mb']:.1f} | {gpu} | {dec} |"
         )
     return head + "\n".join(lines) + "\n"
 
