@@ -205,6 +205,7 @@ def test_request_limits_are_413(http):
 
 # -- health and metrics --------------------------------------------------------------------------------
 def test_health_and_metrics(http, live):
+    assert http.post("/v1/chunks", json={"chunks": chunk_json(THREE_CHUNKS)}).status_code == 200  # "a" exists whatever ran before
     h = http.get("/health").json()
     assert h["status"] == "ok" and h["store"] == "memory://" and h["uptime_s"] >= 0
     assert h["queue"] == {"running": 0, "waiting": 0, "max_concurrency": 1, "max_queue": 16}
