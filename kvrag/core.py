@@ -126,6 +126,8 @@ class KVRagCore:
             raise TypeError(f"chunk_ids must be a list of ids, not one string ({chunk_ids!r}): pass [{chunk_ids!r}]")
         opts = AnswerOptions.from_kwargs(options, **kwargs)
         resolved = self.repo.lookup(chunk_ids, chunks, allow_empty)
+        if opts.kv_kind == KIND_CHUNK and not opts.resolved_method().full_attention:
+            self.repo.read_ahead(resolved)  # outside the model lock: see KVRepository.read_ahead
         return self.pipeline.prefill(question, resolved, opts)
 
     def stitched(self, chunks: Sequence[Chunk], segments: Segments) -> Stitched:

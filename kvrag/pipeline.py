@@ -134,7 +134,7 @@ class RequestPipeline:
             stats.layer_load_s, stats.load_wait_s = feed.timings()
         stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
         stats.recomputed_tokens = int(selection.positions.numel())
-        stats.ttft_s = t4 - t0
+        stats.ttft_s = t4 - t0 + resolved.read_s  # the store read before the lock counts too
         return Prefill(out, segments, selection.positions, stats, resolved.chunks, stitched, window, selection)
 
     def _select(self, meth: Method, stitched: Stitched, opts: AnswerOptions, stats: AnswerStats) -> tuple[Stitched, Selection]:

@@ -54,6 +54,8 @@ class Resolved:
     token_ids: list[list[int]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     loaded: dict[int, KVEntry] = field(default_factory=dict)
+    read_ahead: set[int] = field(default_factory=set)  # of `loaded`: read from the store before the model lock
+    read_s: float = 0.0  # time that read took (part of the answer's load time and TTFT)
 
 
 def check_fits(lm: LoadedModel, layout: PromptLayout, chunks: Sequence[Chunk], token_ids: Sequence[Sequence[int]]) -> None:
@@ -339,6 +341,20 @@ class KVRepository:
         return stacks
 
     # -- loading --------------------------------------------------------------------------------
+    def read_ahead(self, resolved: Resolved) -> None:
+        """Read the request's plain chunk entries before the model lock is taken, so a slow store
+        (disk, Redis) never holds up other requests' forwards or decoding steps; `load_chunks`
+        then checks and uses them. Misses and faults are left for `load_chunks` (computed there)."""
+        todo = [i for i in range(len(resolved.chunks)) if i not in resolved.loaded]
+        if not todo:
+            return
+        t = clock(self.lm.device)
+        for i, e in zip(todo, self.guarded.get_many([resolved.keys[i] for i in todo])):
+            if e is not None:
+                resolved.loaded[i] = e
+                resolved.read_ahead.add(i)
+        resolved.read_s += clock(self.lm.device) - t
+
     def load_chunks(self, resolved: Resolved, stats: AnswerStats, kind: str = KIND_CHUNK, to_device: bool = True) -> list[LayerStack]:
         """Stored KV of each chunk: `kind` entries first, then plain ones, then computed (and kept).
         `to_device=False`: stored entries stay on the host (pinned on CUDA) for a layer feed (kvrag.layer_feed)."""
@@ -365,11 +381,11 @@ class KVRepository:
                 if self.valid(e, k, len(resolved.token_ids[i]), resolved.token_ids[i]):
                     stats.cache_hits += 1
                     stats.bytes_loaded += e.nbytes
-                    tier = "request" if i in resolved.loaded else (e.tier or "store")
+                    tier = "request" if i in resolved.loaded and i not in resolved.read_ahead else (e.tier or "store")
                     stats.tiers[tier] = stats.tiers.get(tier, 0) + 1
                     stacks[i] = self._to_device(e) if to_device else on_host(e, pin=self.lm.device.type == "cuda")
         stats.path = kind
-        stats.load_s = clock(self.lm.device) - t
+        stats.load_s = clock(self.lm.device) - t + resolved.read_s
         misses = [i for i, st in enumerate(stacks) if st is None]
         if misses:
             stats.cache_misses = len(misses)
