@@ -439,7 +439,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     device, dtype = getattr(args, "device", "auto") or "auto", getattr(args, "dtype", "auto") or "auto"
     shape = getattr(args, "shape", None)
     if shape:
-        from kvrag.eval.speed import random_model, shape_config
+        from kvrag.model_shapes import random_model, shape_config
 
         shape_config(shape)  # an unknown name fails before anything loads
     print(f"loading model ({source or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)

@@ -287,7 +287,7 @@ def test_check_model_command_fails_with_the_failing_check_named(tmp_path, capsys
 def test_check_model_command_checks_a_shape_with_random_weights(tmp_path, capsys, monkeypatch):
     """`--shape NAME` (kvrag/shapes) builds that shape with random weights: the gate at 1B-8B scale
     with nothing downloaded. Here a tiny config stands in for a shape file."""
-    import kvrag.eval.speed as speed
+    import kvrag.model_shapes as speed
 
     tiny_cfg = tiny_model("qwen2").config
     real = speed.shape_config

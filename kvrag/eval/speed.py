@@ -24,41 +24,11 @@ from tqdm.auto import tqdm
 
 from kvrag.engine import KVRag
 from kvrag.eval.runner import Setting
-from kvrag.model import LoadedModel, from_model, resolve_device, resolve_dtype
+from kvrag.model_shapes import random_model, shape_config, shape_names  # noqa: F401 - the bench's names for them
 from kvrag.types import Chunk
 
 QUESTION = "Which places, people and dates does the text mention, and what happened there?"
 RANDOM_WEIGHTS_NOTE = "random weights: figures are for time and memory only, never quality"
-
-
-def shape_names() -> list[str]:
-    return sorted(p.name[: -len(".json")] for p in resources.files("kvrag").joinpath("shapes").iterdir() if p.name.endswith(".json"))
-
-
-def shape_config(name: str) -> Any:
-    """A transformers config with a public model's shapes (from `kvrag/shapes/NAME.json`)."""
-    from transformers import AutoConfig
-
-    path = resources.files("kvrag").joinpath("shapes", f"{name}.json")
-    if not path.is_file():
-        raise ValueError(f"unknown shape {name!r}; known: {', '.join(shape_names())}")
-    spec = json.loads(path.read_text())
-    spec.pop("_source", None)
-    return AutoConfig.for_model(spec.pop("model_type"), **spec)
-
-
-def random_model(name: str, tokenizer: Any, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """A model with `name`'s shapes and random weights, built on the target device (no download)."""
-    from transformers import AutoModelForCausalLM
-
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    cfg = shape_config(name)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with dev:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
-    return from_model(model, tokenizer, source=f"random:{name}")
 
 
 def parse_sizes(spec: str) -> list[int]:
