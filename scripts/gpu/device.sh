@@ -11,7 +11,7 @@
 #   call 1  carry [".gpu/whl", ".gpu/data", ".gpu/model/SHA256SUMS", ".gpu/model/part-0"]   STEP receive
 #   call 2  carry [".gpu/model/part-1", ".gpu/model/part-2"]                                STEP receive
 #   call 3  carry [".gpu/model/part-3"]                     STEP "receive && ... train"  (the LoRA K=5 adapter)
-#   then    STEP tests | gate | speed 8b memory:// | speed 8b host:// | speed 8b disk | speed 1b memory:// | quality
+#   then    STEP tests | gate | store | speed 8b memory:// | speed 8b host:// | speed 8b disk | speed 1b memory:// | quality
 #   (quality needs the adapter from `train`: copy it from files_at to .gpu/adapter.safetensors, carry ".gpu/adapter.safetensors")
 #
 # What comes back lies in $OUT (at most 8 files a call, 16 MB each). Every timing there is CUDA-synchronised.
@@ -82,7 +82,10 @@ speed() {  # issues #20/#22: TTFT vs context, layer-wise loading on and off, dec
     --chunk-tokens 512 --methods reuse,epic,cacheblend,samkv --repeats 3 --layerwise both --decode-tokens 64 \
     --store "$store" --out "$W/speed-$name" 2>&1 | tail -40
   cp "$W/speed-$name/speed.md" "$OUT/$name.md"; cp "$W/speed-$name/speed.json" "$OUT/$name.json"
-  kvrag bench store --out "$W/store" > "$OUT/store-tiers.md" 2>&1 || true
+}
+
+store() {  # issue #22: each tier's read bandwidth beside plain reads and host-to-device copies (pinned, pageable)
+  py -m kvrag.eval.store_bench "$W/store" --tiers-only --rounds 30 2>&1 | tee "$OUT/store-tiers.md" | tail -15
 }
 
 quality() {  # issue #17: the 400-question table with the tuned rows (quality columns; TTFT ratios come from the CPU)
@@ -94,11 +97,11 @@ quality() {  # issue #17: the 400-question table with the tuned rows (quality co
   cp "$W/nq10-400/summary.md" "$W/nq10-400/summary.json" "$W/nq10-400/records.jsonl" "$OUT/" 2>/dev/null
 }
 
-step=${1:?usage: device.sh receive|train|tests|gate|speed 8b|1b STORE|quality}
+step=${1:?usage: device.sh receive|train|tests|gate|store|speed 8b|1b STORE|quality}
 shift
 case $step in
   receive) receive; rc=$?; setup || exit 1; exit $rc ;;
-  train | tests | gate | quality) setup && "$step" "$@" ;;
+  train | tests | gate | store | quality) setup && "$step" "$@" ;;
   speed) setup && speed "$@" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
