@@ -11,7 +11,7 @@
 #   call 1  carry [".gpu/whl", ".gpu/data", ".gpu/model/SHA256SUMS", ".gpu/model/part-0"]   STEP receive
 #   call 2  carry [".gpu/model/part-1", ".gpu/model/part-2"]                                STEP receive
 #   call 3  carry [".gpu/model/part-3"]                     STEP "receive && ... train"  (the LoRA K=5 adapter)
-#   then    STEP tests | gate | store | speed 8b memory:// | speed 8b host:// | speed 8b disk | speed 1b memory:// | quality
+#   then    STEP tests | gate | store | speed 8b memory:// | speed 8b 'host://?pin=1' | speed 8b disk | speed 1b memory:// | quality
 #   (quality needs the adapter from `train`: copy it from files_at to .gpu/adapter.safetensors, carry ".gpu/adapter.safetensors")
 #
 # What comes back lies in $OUT (at most 8 files a call, 16 MB each). Every timing there is CUDA-synchronised.
