@@ -275,6 +275,7 @@ def _stream(
         gen = torch.Generator(device=first_logits.device).manual_seed(cfg.seed)
     logits = first_logits
     emitted = start = 0
+    settled = not headers
     detok = IncrementalText(tok)
     pos = next_position
     for step in range(cfg.max_new_tokens):
@@ -285,8 +286,11 @@ def _stream(
         state.token_ids.append(token)
         detok.add(token)
         text = detok.text
-        start, held = leading_echo(text, start, headers)
-        emitted = max(emitted, start)
+        held = None
+        if not settled:  # once the first line is a non-header, the head never changes: skip the scan
+            start, held = leading_echo(text, start, headers)
+            emitted = max(emitted, start)
+            settled = held is None and bool(text[start:].strip())
         cut = _answer_cut(text, start, stops, cfg.stop_at)
         if cut >= 0:
             if cut > emitted:
