@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Sequence
 
 from kvrag.documents import DEFAULT_MAX_CHUNK_TOKENS
-from kvrag.cli_types import positive_int, ratio_or_auto
+from kvrag.cli_types import link_adapter_arg, positive_int, ratio_or_auto
 from kvrag.decode import STOP_RULES
 from kvrag.eval.speed import LAYERWISE_CHOICES
 from kvrag.errors import KVRagError
-from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT
+from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT, TUNED_METHOD
 from kvrag.samples import sample_corpus_dir, sample_questions
 
 DEFAULT_K = 5
@@ -44,6 +44,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
     p.add_argument("--collection", default="kvrag_chunks", help="chroma collection under $KVRAG_HOME/chroma")
+    p.add_argument("--link-adapter", default="auto", type=link_adapter_arg,
+                   help="auto: the tuned adapter shipped for the bundled model (its weights, kvlink by default); "
+                        "links: only its link embeddings (base weights); none: the base weights; or an adapter file")
 
 
 def _server_option(p: argparse.ArgumentParser) -> None:
@@ -74,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     _common(ask)
     _server_option(ask)
     ask.add_argument("question")
-    ask.add_argument("--method", default=DEFAULT_METHOD, help=f"full, reuse, ... (see `kvrag methods`; default {DEFAULT_METHOD})")
+    ask.add_argument("--method", default=None,
+                     help=f"full, reuse, ... (see `kvrag methods`; default: {TUNED_METHOD} over a tuned model, else {DEFAULT_METHOD})")
     ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
@@ -182,7 +186,7 @@ def _open(args: argparse.Namespace):
 
     home = _home()
     print(f"loading model ({args.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
-    rag = KVRag.from_pretrained(args.model, store=args.store, device=args.device)
+    rag = KVRag.from_pretrained(args.model, store=args.store, device=args.device, link_adapter=args.link_adapter)
     return rag, ChunkIndex(home / "chroma", collection=args.collection)
 
 
@@ -286,7 +290,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     _, params = parse_method("m:" + ",".join(args.param))
     try:
-        get_method(args.method, **dict(params))  # a mistyped method or parameter fails before any work
+        get_method(args.method or DEFAULT_METHOD, **dict(params))  # a mistyped method or parameter fails before any work
     except TypeError as exc:
         raise KVRagError(str(exc)) from None
     if args.server:
@@ -326,7 +330,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     question = args.question or sample_questions()[0]["question"]
     retrieved = _retrieve(index, question, DEFAULT_K)
     print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved)")
-    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", DEFAULT_METHOD)):
+    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method)):
         print(line)
     print(f"(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
           "KL = first-token KL divergence from Full Attention, 0 is identical)")
@@ -348,7 +352,7 @@ def compare_with_full(rag, question: str, chunks, methods) -> list[str]:
         quality = "reference" if method == "full" else (
             f"{'agrees' if agreement(text, full_text) else 'DIFFERS'}, KL {first_token_kl(full.logits, pre.logits):.3f}"
         )
-        label = method if method in ("full", "reuse") else f"{method}@{DEFAULT_RATIO:g}"
+        label = method if method in ("full", "reuse", TUNED_METHOD) else f"{method}@{DEFAULT_RATIO:g}"
         lines.append(f"[{label:>15}] {text}\n{'':18}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
     return lines
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Callable
 
 
@@ -29,3 +30,14 @@ _unit = _bounded(float, "a number in [0, 1] or 'auto'", lo=0, hi=1)
 def ratio_or_auto(text: str) -> float | str:
     """A recompute ratio in [0, 1], or 'auto' (chosen per request)."""
     return text if text == "auto" else _unit(text)
+
+
+def link_adapter_arg(text: str) -> str | None:
+    """`--link-adapter`: auto, links, none (the base weights: None) or an adapter file that exists."""
+    if text.lower() == "none":
+        return None
+    if text in ("auto", "links"):
+        return text
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"expected auto, links, none or an adapter file, got {text!r} (no such file)")
+    return text

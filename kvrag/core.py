@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from kvrag.cache_backends import KVStore, open_store
 from kvrag.layout import PromptLayout
 from kvrag.model import LoadedModel, kvrag_home
-from kvrag.options import KIND_CHUNK, AnswerOptions
+from kvrag.options import DEFAULT_METHOD, KIND_CHUNK, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
 from kvrag.precompute import KVComputer, LayerStack
 from kvrag.prompt_match import match_prompt
@@ -48,6 +48,14 @@ class KVRagCore:
     def link_adapter(self) -> Any:
         """The KVLink adapter `method="kvlink"` uses (none here; `KVRag` resolves one)."""
         return None
+
+    @property
+    def default_method(self) -> str:
+        """The method a request that names none gets (`KVRag` answers with kvlink over a tuned model)."""
+        return DEFAULT_METHOD
+
+    def _options(self, options: AnswerOptions | None, kwargs: dict[str, Any]) -> AnswerOptions:
+        return AnswerOptions.from_kwargs(options, **kwargs).with_default_method(self.default_method)
 
     @property
     def batch_size(self) -> int:
@@ -124,7 +132,7 @@ class KVRagCore:
             raise ValueError("question must be a non-empty string")
         if isinstance(chunk_ids, (str, bytes)):
             raise TypeError(f"chunk_ids must be a list of ids, not one string ({chunk_ids!r}): pass [{chunk_ids!r}]")
-        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        opts = self._options(options, kwargs)
         resolved = self.repo.lookup(chunk_ids, chunks, allow_empty)
         if opts.kv_kind == KIND_CHUNK and not opts.resolved_method().full_attention:
             self.repo.read_ahead(resolved)  # outside the model lock: see KVRepository.read_ahead
@@ -145,7 +153,7 @@ class KVRagCore:
         **kwargs: Any,
     ) -> AnswerStream:
         """Like `answer`, but returns an iterator of text pieces (stats complete at the end)."""
-        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        opts = self._options(options, kwargs)
         pre = self.prefill(question, chunk_ids, chunks=chunks, options=opts)
         return self.decode(pre, options=opts)
 
@@ -156,7 +164,7 @@ class KVRagCore:
         `options` or keywords. `evict` (SnapKV) bounds the cache after the first token: the first
         token comes from the prefill's logits, every later one attends to the evicted cache.
         """
-        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        opts = self._options(options, kwargs)
         return self.pipeline.decode(pre, opts.decode, opts.evict)
 
     def match_prompt(self, prompt: str) -> tuple[list[Chunk], str]:
@@ -175,7 +183,7 @@ class KVRagCore:
         """
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("prompt must be a non-empty string")
-        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        opts = self._options(options, kwargs)
         chunks, question = self.match_prompt(prompt)
         if not chunks:
             pre = self.prefill(prompt, options=AnswerOptions(method="full", evict=opts.evict, decode=opts.decode), allow_empty=True)

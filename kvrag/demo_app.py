@@ -20,7 +20,6 @@ from typing import Any
 import streamlit as st
 
 from kvrag.eval.metrics import agreement, first_token_kl
-from kvrag.options import DEFAULT_METHOD
 from kvrag.cli import _quiet_libraries, sample_questions
 from kvrag.demo.ingest import (  # noqa: F401  (re-exported for callers of the old single module)
     CHUNK_TOKENS,
@@ -74,11 +73,12 @@ def method_summary(name: str) -> str:
 
 # -- cached resources -----------------------------------------------------------------------------
 @st.cache_resource(show_spinner="Loading the model ...")
-def load_lm() -> Any:
-    """The bundled model, loaded once per server process and shared by every session and store."""
-    from kvrag.model import load_model
+def load_engine() -> Any:
+    """The bundled model prepared once per server process (its tuned adapter merged, the gate passed),
+    over a memory store; `open_engine` shares it with every store."""
+    from kvrag.engine import KVRag
 
-    return load_model()
+    return KVRag.from_pretrained(store="memory://")
 
 
 @st.cache_resource(show_spinner="Opening the vector index ...")
@@ -93,14 +93,13 @@ def open_index(folder: str) -> Any:
 def open_engine(store_url: str) -> Any:
     """An engine over the shared model and the store at `store_url` (one per URL per process)."""
     from kvrag.cache_backends import open_store
-    from kvrag.engine import KVRag
 
     try:
         store = open_store(store_url)
     except Exception:  # a client library's message may carry what the server answered: not repeated
         raise StoreUnreachable(f"could not open the store at {redact_url(store_url)}") from None
     check_store(store)
-    return KVRag(load_lm(), store=store)
+    return load_engine().with_store(store)
 
 
 # -- answering ------------------------------------------------------------------------------------
@@ -150,7 +149,7 @@ class Result:
 def side_title(method: str, ratio: float) -> str:
     if method == BASELINE:
         return "Full Attention (full)"
-    return f"{method}" + ("" if method == "reuse" else f" (recompute {ratio:.0%})")
+    return f"{method}" + ("" if method in ("reuse", "kvlink") else f" (recompute {ratio:.0%})")
 
 
 def stats_caption(stats: dict[str, Any]) -> str:
@@ -250,9 +249,10 @@ def sidebar_settings(folder: Path) -> Settings:
     names = method_names()
     sb = st.sidebar
     sb.header("Settings")
-    method = sb.selectbox("Method", names, index=names.index(DEFAULT_METHOD) if DEFAULT_METHOD in names else 0, key="method")
+    default = load_engine().default_method  # kvlink over the tuned bundled model, else cacheblend
+    method = sb.selectbox("Method", names, index=names.index(default) if default in names else 0, key="method")
     sb.caption(method_summary(method))
-    ratio = sb.slider("Recompute ratio", 0.0, 1.0, DEFAULT_RATIO, 0.01, key="ratio", disabled=method == "reuse",
+    ratio = sb.slider("Recompute ratio", 0.0, 1.0, DEFAULT_RATIO, 0.01, key="ratio", disabled=method in ("reuse", "kvlink"),
                       help="share of the retrieved chunks' tokens the method recomputes")
     top_k = sb.slider("Chunks to retrieve (top-k)", 1, 10, DEFAULT_K, key="top_k")
     max_new = sb.slider("Max new tokens", 8, 256, DEFAULT_MAX_NEW_TOKENS, 8, key="max_new")
@@ -318,7 +318,7 @@ def main() -> None:
     settings = sidebar_settings(folder)
     rag = open_or_stop(settings)
     index = open_index(str(folder))
-    ensure_ingested(rag, index, folder, warm_methods=(BASELINE, "reuse", DEFAULT_METHOD))
+    ensure_ingested(rag, index, folder, warm_methods=(BASELINE, "reuse", rag.default_method))
 
     st.sidebar.header("Add documents")
     files = st.sidebar.file_uploader(

@@ -12,9 +12,9 @@ from kvrag.cache_backends import KVStore
 from kvrag.check import gate
 from kvrag.core import KVRagCore
 from kvrag.layout import PromptLayout
-from kvrag.links import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_path
+from kvrag.links import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
 from kvrag.model import LoadedModel, load_model
-from kvrag.options import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY, AnswerOptions
+from kvrag.options import CHUNK_KINDS, DEFAULT_METHOD, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY, TUNED_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill
 from kvrag.repository import PrecomputeReport
 
@@ -52,20 +52,21 @@ class KVRag(KVRagCore):
         fingerprint and device type (its verdict is cached under $KVRAG_HOME/checks) and raises
         UnsupportedModelError, naming the failing check, for a model kvrag cannot serve exactly.
 
-        `link_adapter`: the KVLink adapter `method="kvlink"` uses. "auto" (default) is the adapter
-        shipped for the bundled model (links-only), none for other models; None: no adapter; a
-        path or a `LinkAdapter`: that adapter, checked against this model and layout
-        (AdapterMismatchError otherwise). An adapter with LoRA or full weights changes the model:
-        the engine then serves a merged copy (every method, with its own fingerprint and caches)."""
+        `link_adapter`: the KVLink adapter, and with it the weights served.
+        - "auto" (default): the adapter shipped for this model, if one fits it and the layout: for the
+          bundled SmolLM2 the tuned one (LoRA, K = 5), whose weights are merged in and whose
+          `method="kvlink"` becomes the default method; else the shipped links-only one; else none.
+        - "links": only the shipped links-only adapter (the base weights; kvlink uses its links).
+        - None: no adapter, the base weights (default method cacheblend).
+        - a path or a `LinkAdapter`: that adapter, checked against this model and layout
+          (AdapterMismatchError otherwise).
+        An adapter with LoRA or full weights changes the model: the engine serves a merged copy (every
+        method, Full Attention included, with its own fingerprint and caches), and kvlink is its default."""
         layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
-        self._link_adapter: LinkAdapter | None = None
-        self._link_adapter_auto = link_adapter == "auto"
-        if not self._link_adapter_auto and link_adapter is not None:
-            adapter = link_adapter if isinstance(link_adapter, LinkAdapter) else load_adapter(link_adapter)
-            where = "link adapter" if isinstance(link_adapter, LinkAdapter) else str(link_adapter)
-            check_adapter(adapter, lm, layout.identity, where=where)
+        adapter = _choose_adapter(link_adapter, lm, layout)
+        if adapter is not None:
             lm = apply_adapter(lm, adapter, inplace=_adapter_in_place)
-            self._link_adapter = adapter
+        self._link_adapter = adapter
         self.check_report = gate(lm) if check else None
         super().__init__(lm, store=store, layout=layout, batch_size=batch_size)
 
@@ -93,22 +94,40 @@ class KVRag(KVRagCore):
 
     @property
     def link_adapter(self) -> LinkAdapter | None:
-        """The KVLink adapter in use (resolving "auto" on first use: the shipped one, if it fits)."""
-        if self._link_adapter is None and self._link_adapter_auto:
-            self._link_adapter_auto = False
-            self._link_adapter = self._shipped_adapter()
+        """The KVLink adapter in use (None: none)."""
         return self._link_adapter
 
-    def _shipped_adapter(self) -> LinkAdapter | None:
-        path = shipped_adapter_path(self.lm)
-        if path is None:
-            return None
+    def with_store(self, store: KVStore | str | None) -> "KVRag":
+        """Another engine over this one's prepared model (adapter merged, gate passed) and another store:
+        no second copy of the weights, no second merge."""
+        other = KVRag.__new__(KVRag)
+        other._link_adapter, other.check_report = self._link_adapter, self.check_report
+        KVRagCore.__init__(other, self.lm, store=store, layout=self.layout, batch_size=self.batch_size)
+        return other
+
+    @property
+    def default_method(self) -> str:
+        """kvlink over a model whose weights a link adapter tuned, else DEFAULT_METHOD."""
+        adapter = self._link_adapter
+        return TUNED_METHOD if adapter is not None and adapter.changes_model else DEFAULT_METHOD
+
+
+def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layout: PromptLayout) -> LinkAdapter | None:
+    """The adapter `link_adapter=spec` names (see `KVRag.__init__`), checked against the model and layout."""
+    if spec is None:
+        return None
+    if isinstance(spec, str) and spec in ("auto", "links"):
+        return _shipped_adapter(lm, layout, ("tuned", "links") if spec == "auto" else ("links",))
+    adapter = spec if isinstance(spec, LinkAdapter) else load_adapter(spec)
+    check_adapter(adapter, lm, layout.identity, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
+    return adapter
+
+
+def _shipped_adapter(lm: LoadedModel, layout: PromptLayout, kinds: tuple[str, ...]) -> LinkAdapter | None:
+    """The first shipped adapter of these kinds that fits (a custom system prompt or another model: none)."""
+    for path in shipped_adapter_paths(lm, kinds):
         try:
-            adapter = load_adapter(path, self.lm, self.layout.identity)
-        except Exception as exc:  # a custom system prompt, another dtype...: untrained links
+            return load_adapter(path, lm, layout.identity)
+        except Exception as exc:  # a custom system prompt, another layout version...: try the next, else none
             log.warning("not using the shipped link adapter %s: %s", path.name, exc)
-            return None
-        if adapter.changes_model:
-            log.warning("the shipped link adapter %s changes the model's weights; pass link_adapter=PATH to use it", path.name)
-            return None
-        return adapter
+    return None

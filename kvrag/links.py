@@ -68,7 +68,17 @@ PREFIX_OWNER = -1  # the system prefix
 GLOBAL_OWNER = -2  # link tokens, the question, the answer: causal over everything
 
 SHIPPED_DIR = Path(__file__).parent / "adapters"
-SHIPPED_ADAPTERS = {"bundled:smollm2-135m-instruct": "smollm2-135m-instruct.kvlink.safetensors"}
+# Adapters shipped in the package, per model source and kind: "tuned" changes the weights (LoRA;
+# `link_adapter="auto"` serves the merged model and answers with kvlink by default), "links" leaves
+# them as they are (only the link embeddings; `link_adapter="links"`). A missing file is skipped.
+SHIPPED_ADAPTERS: dict[str, dict[str, str]] = {
+    "bundled:smollm2-135m-instruct": {
+        "tuned": "smollm2-135m-instruct.kvlink-lora.safetensors",
+        "links": "smollm2-135m-instruct.kvlink.safetensors",
+    }
+}
+SHIPPED_KINDS = ("tuned", "links")
+MERGED_SUFFIX = "-adapter"  # ends the source of a model with an adapter merged in ("...+lora-adapter")
 
 
 # -- the picture --------------------------------------------------------------------------------
@@ -309,6 +319,11 @@ def load_adapter(path: str | os.PathLike, lm: LoadedModel | None = None, layout_
 def check_adapter(adapter: LinkAdapter, lm: LoadedModel, layout_identity: str | None = None, where: str = "link adapter") -> None:
     """Raise AdapterMismatchError unless the adapter was trained for this base model (any dtype) and layout."""
     meta = adapter.meta
+    if lm.source.endswith(MERGED_SUFFIX) and meta.get("base_fingerprint") != lm.fingerprint:
+        raise AdapterMismatchError(
+            f"{where}: this model ({lm.source}) has a link adapter merged in already; pass the base model "
+            "(or `rag.with_store(...)` for another engine over the same prepared model)"
+        )
     if meta.get("base_fingerprint") != lm.fingerprint and meta.get("base_identity") != base_identity(lm.model):
         raise AdapterMismatchError(
             f"{where} was trained for another base model (fingerprint {meta.get('base_fingerprint')}, "
@@ -371,14 +386,15 @@ def apply_adapter(lm: LoadedModel, adapter: LinkAdapter, inplace: bool = False) 
     merge_weights(model, adapter)
     model.train(False)
     fp = hashlib.sha256(f"{model_fingerprint(model)}:link-adapter:{adapter.weights_digest()}".encode()).hexdigest()[:32]
-    return LoadedModel(model=model, tokenizer=lm.tokenizer, fingerprint=fp, source=f"{lm.source}+{adapter.mode}-adapter")
+    return LoadedModel(model=model, tokenizer=lm.tokenizer, fingerprint=fp, source=f"{lm.source}+{adapter.mode}{MERGED_SUFFIX}")
 
 
-def shipped_adapter_path(lm: LoadedModel) -> Path | None:
-    """The adapter shipped inside the package for this model (the bundled SmolLM2), if there is one."""
-    name = SHIPPED_ADAPTERS.get(lm.source)
-    path = SHIPPED_DIR / name if name else None
-    return path if path is not None and path.is_file() else None
+def shipped_adapter_paths(lm: LoadedModel, kinds: tuple[str, ...] = SHIPPED_KINDS) -> list[Path]:
+    """The adapter files shipped inside the package for this model (the bundled SmolLM2), of these
+    kinds in this order, that are there."""
+    names = SHIPPED_ADAPTERS.get(lm.source, {})
+    paths = [SHIPPED_DIR / names[k] for k in kinds if k in names]
+    return [p for p in paths if p.is_file()]
 
 
 def resolve_link_rows(

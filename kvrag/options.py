@@ -18,9 +18,12 @@ CHUNK_KINDS = (KIND_CHUNK, KIND_SIMILARITY)
 
 DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static")
 
-# The default fast setting: the r = 0.15 method that recovered most of the reuse -> Full gap in the
-# 300-question nq10_dev run (docs/bench/nq10-300: normalised 0.35, vs 0.19 fusionrag, 0.08 epic).
+# The default fast setting over a model's own weights: the r = 0.15 method that recovered most of the
+# reuse -> Full gap in the 300-question nq10_dev run (docs/bench/nq10-300: normalised 0.35, vs 0.19
+# fusionrag, 0.08 epic). A model served with a tuned link adapter answers with "kvlink" instead
+# (`KVRag.default_method`): options leave the method None and the engine fills it in.
 DEFAULT_METHOD = "cacheblend"
+TUNED_METHOD = "kvlink"
 DEFAULT_RATIO = 0.15
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"
@@ -44,7 +47,7 @@ class AnswerOptions:
     """How to answer: the method (and its parameters), the recompute ratio, which stored KV to read,
     eviction after the first token, and the decode settings."""
 
-    method: str | Method = DEFAULT_METHOD
+    method: str | Method | None = None  # None: the engine's default (KVRag.default_method)
     recompute_ratio: float | str | AutoRatio = DEFAULT_RATIO  # "auto": see kvrag.auto_ratio
     kv_kind: str = KIND_CHUNK
     evict: SnapKV | None = None
@@ -84,5 +87,10 @@ class AnswerOptions:
             fields["method_params"] = {**inherited, **kwargs}
         return dataclasses.replace(base, **fields)
 
+    def with_default_method(self, method: str) -> "AnswerOptions":
+        """These options, with `method` where they name none (what the engine does on every request)."""
+        return self if self.method is not None else dataclasses.replace(self, method=method)
+
     def resolved_method(self) -> Method:
-        return get_method(self.method, **dict(self.method_params))
+        """The method object; options that name none stand for DEFAULT_METHOD (an engine fills in its own first)."""
+        return get_method(DEFAULT_METHOD if self.method is None else self.method, **dict(self.method_params))

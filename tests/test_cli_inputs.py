@@ -26,6 +26,20 @@ def test_top_k_zero_is_refused_by_the_parser(capsys):
     assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
 
 
+def test_link_adapter_option_takes_auto_links_none_or_a_file(tmp_path, capsys):
+    from kvrag.cli import _parser
+    from kvrag.server.cli import settings_from_args
+
+    assert _parser().parse_args(["ask", "Why?"]).link_adapter == "auto"
+    assert _parser().parse_args(["ask", "Why?", "--link-adapter", "none"]).link_adapter is None
+    assert _parser().parse_args(["ingest", "x", "--link-adapter", "links"]).link_adapter == "links"
+    with pytest.raises(SystemExit) as info:
+        main(["ask", "Why?", "--link-adapter", str(tmp_path / "missing.safetensors")])
+    assert info.value.code == 2 and "no such file" in capsys.readouterr().err
+    settings = settings_from_args(_parser().parse_args(["serve", "--link-adapter", "none"]))
+    assert settings.link_adapter is None and settings.method is None  # None: the engine's default method
+
+
 @pytest.mark.smollm
 def test_ingest_refuses_binary_text_files_and_reports_kv_it_could_not_store(tmp_path, capsys, smollm):
     binary = tmp_path / "program.txt"

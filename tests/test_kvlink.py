@@ -13,6 +13,7 @@ from kvrag.attention import active_spec
 from kvrag.masks import additive
 
 from kvrag import Chunk, KVRag, from_model
+from kvrag.options import AnswerOptions
 from kvrag.errors import AdapterMismatchError
 from kvrag.layout import LAYOUT_VERSION, Segments
 from kvrag.links import (
@@ -394,20 +395,62 @@ def test_lora_adapter_serves_a_merged_model_with_its_own_fingerprint_and_caches(
     assert rag.prefill(Q, IDS, method="reuse").stats.cache_hits == 3  # the base engine's entries are still its own
 
 
-def test_shipped_adapter_is_the_default_where_there_is_one(tmp_path, monkeypatch):
+def ship(monkeypatch, folder, source, **names):
+    """Pretend the package ships these adapter files (kind -> file name in `folder`) for `source`."""
     import kvrag.links as links_mod
 
+    monkeypatch.setattr(links_mod, "SHIPPED_DIR", folder)
+    monkeypatch.setattr(links_mod, "SHIPPED_ADAPTERS", {source: names})
+
+
+def test_shipped_adapter_is_the_default_where_there_is_one(tmp_path, monkeypatch):
     rag = make_rag()
-    assert rag.link_adapter is None  # link_adapter=None
+    assert rag.link_adapter is None and rag.default_method == "cacheblend"  # link_adapter=None
     auto = KVRag(rag.lm, store=rag.store, check=False)
     assert auto.link_adapter is None  # "auto" and no adapter shipped for this model
     save_adapter(tmp_path / "tiny.kvlink.safetensors", random_adapter(rag.lm, k=2, layout_identity=rag.layout.identity))
-    monkeypatch.setattr(links_mod, "SHIPPED_DIR", tmp_path)
-    monkeypatch.setattr(links_mod, "SHIPPED_ADAPTERS", {rag.lm.source: "tiny.kvlink.safetensors"})
+    ship(monkeypatch, tmp_path, rag.lm.source, links="tiny.kvlink.safetensors", tuned="absent.safetensors")
     auto = KVRag(rag.lm, store=rag.store, check=False)
     assert auto.prefill(Q, IDS, method="kvlink").segments.links == 2
+    assert auto.lm is rag.lm and auto.default_method == "cacheblend"  # links only: the base weights, the base default
     terse = KVRag(rag.lm, store=rag.store, check=False, system_prompt="You are terse.")  # layout mismatch: untrained
     assert terse.link_adapter is None and terse.prefill(Q, chunks=CHUNKS, method="kvlink").segments.links == 0
+
+
+def test_shipped_tuned_adapter_is_merged_and_answers_with_kvlink_by_default(tmp_path, monkeypatch):
+    rag = make_rag()
+    tuned, _ = lora_adapter(rag.lm, rag.layout.identity)
+    save_adapter(tmp_path / "tuned.safetensors", tuned)
+    save_adapter(tmp_path / "links.safetensors", random_adapter(rag.lm, k=3, layout_identity=rag.layout.identity))
+    ship(monkeypatch, tmp_path, rag.lm.source, tuned="tuned.safetensors", links="links.safetensors")
+    auto = KVRag(rag.lm, store="memory://", check=False)
+    assert auto.link_adapter.changes_model and auto.lm.fingerprint == apply_adapter(rag.lm, tuned).fingerprint
+    assert auto.default_method == "kvlink"
+    pre = auto.prefill(Q, chunks=CHUNKS)  # no method named: the engine's default
+    assert pre.stats.method == "kvlink" and pre.segments.links == 2
+    same = auto.prefill(Q, chunks=CHUNKS, options=AnswerOptions(recompute_ratio=0.5))  # options naming no method: the same
+    assert same.stats.method == "kvlink" and torch.equal(same.logits, pre.logits)
+    assert auto.prefill(Q, chunks=CHUNKS, method="reuse").stats.method == "reuse"  # a named method wins
+    links = KVRag(rag.lm, store="memory://", check=False, link_adapter="links")  # the base weights, the links-only adapter
+    assert links.lm is rag.lm and links.link_adapter.link_tokens == 3 and links.default_method == "cacheblend"
+    base = KVRag(rag.lm, store="memory://", check=False, link_adapter=None)
+    assert base.lm is rag.lm and base.link_adapter is None and base.prefill(Q, chunks=CHUNKS).stats.method == "cacheblend"
+    terse = KVRag(rag.lm, store="memory://", check=False, system_prompt="You are terse.")  # neither fits this layout
+    assert terse.lm is rag.lm and terse.link_adapter is None
+
+
+def test_an_adapter_over_a_model_with_one_merged_in_is_refused_and_with_store_shares_the_prepared_model():
+    rag = make_rag()
+    adapter, _ = lora_adapter(rag.lm, rag.layout.identity)
+    tuned = KVRag(rag.lm, store=rag.store, link_adapter=adapter, check=False)
+    with pytest.raises(AdapterMismatchError, match="merged in already"):  # never merged twice
+        KVRag(tuned.lm, store="memory://", link_adapter=adapter, check=False)
+    other = tuned.with_store("memory://")
+    assert other.lm is tuned.lm and other.link_adapter is adapter and other.default_method == "kvlink"
+    assert other.store is not tuned.store and other.layout is tuned.layout
+    a = tuned.prefill(Q, chunks=CHUNKS)
+    b = other.prefill(Q, chunks=CHUNKS)
+    assert b.stats.cache_misses == 3 and torch.equal(a.logits, b.logits)
 
 
 # -- training -----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pydantic import AliasChoices, Field, PrivateAttr
 
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.model import BUNDLED_NAME
-from kvrag.options import DEFAULT_METHOD, AnswerOptions
+from kvrag.options import AnswerOptions
 from kvrag.server.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
 
@@ -88,7 +88,7 @@ class ChatKVRag(BaseChatModel):
     of the cached prefix that every chunk's KV was computed after, so other turns cannot go in front.
     """
 
-    method: str = Field(default=DEFAULT_METHOD, description="Selection method: reuse, full, cacheblend, epic, a3, fusionrag, samkv (default: the best measured fast setting).")
+    method: str | None = Field(default=None, description="Method: reuse, full, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, kvlink over the tuned bundled model, else cacheblend).")
     recompute_ratio: float | Literal["auto"] = Field(default=0.15, description="Share of chunk tokens recomputed by selective methods, or 'auto' (per request).")
     max_new_tokens: int = Field(
         default=64,

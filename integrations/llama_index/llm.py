@@ -20,7 +20,7 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvrag.engine import AnswerStream, KVRag
-from kvrag.options import DEFAULT_METHOD, AnswerOptions
+from kvrag.options import AnswerOptions
 from kvrag.server.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
 
@@ -51,7 +51,7 @@ class KVRagLLM(CustomLLM):
 
     model_name: str | None = Field(default=None, description="HF model id, folder or .gguf; None = bundled SmolLM2-135M-Instruct")
     store: str | None = Field(default=None, description="KV store URL; None = disk under $KVRAG_HOME")
-    method: str = Field(default=DEFAULT_METHOD, description="kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv (default: the best measured fast setting)")
+    method: str | None = Field(default=None, description="kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, kvlink over the tuned bundled model, else cacheblend)")
     recompute_ratio: float | Literal["auto"] = Field(default=0.15, description="share of chunk tokens recomputed by selective methods, or 'auto' (per request)")
     max_new_tokens: int = Field(default=128, description="tokens to generate at most")
     temperature: float = Field(default=0.0, description="0 = greedy")

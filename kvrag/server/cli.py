@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvrag.cli_types import ratio_or_auto
+from kvrag.cli_types import link_adapter_arg, ratio_or_auto
 from kvrag.server.settings import ServerSettings
 
 EPILOG = """example:
@@ -37,7 +37,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body limit (413 above)")
     p.add_argument("--max-chunks", type=int, default=d.max_chunks, help="chunks per request (413 above)")
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens, help="tokens of text per request (413 above)")
-    p.add_argument("--method", default=d.method, help="method when a request names none (see `kvrag methods`)")
+    p.add_argument("--link-adapter", default=d.link_adapter, type=link_adapter_arg,
+                   help="auto: the tuned adapter shipped for the bundled model; links: only its link embeddings; none: the base weights; or a file")
+    p.add_argument("--method", default=d.method, help="method when a request names none (see `kvrag methods`; default: the engine's, "
+                                                      "kvlink over a tuned model, else cacheblend)")
     p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
     return p
@@ -55,6 +58,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         max_chunks=args.max_chunks,
         max_request_tokens=args.max_request_tokens,
+        link_adapter=args.link_adapter,
         method=args.method,
         recompute_ratio=args.recompute_ratio,
         max_new_tokens=args.max_new_tokens,

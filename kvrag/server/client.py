@@ -129,7 +129,7 @@ def request_body(
     opts = options or AnswerOptions()
     if opts.evict is not None:
         raise ValueError("evict= (SnapKV) is not available through the server")
-    method = opts.method if isinstance(opts.method, str) else opts.method.name
+    method = opts.method if opts.method is None or isinstance(opts.method, str) else opts.method.name  # None: the server's
     dec = opts.decode
     body: dict[str, Any] = {
         "model": "kvrag", "messages": [{"role": "user", "content": text}], "stream": stream,

@@ -28,7 +28,7 @@ def serve(settings: ServerSettings, rag=None) -> None:  # noqa: ANN001 (KVRag, i
         from kvrag.engine import KVRag
 
         print(f"loading model ({settings.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
-        rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device)
+        rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device, link_adapter=settings.link_adapter)
         rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
     app = create_app(rag, settings)
     print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)

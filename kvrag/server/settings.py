@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrag.options import DEFAULT_METHOD
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -30,7 +29,8 @@ class ServerSettings:
     max_chunks: int = 64  # chunks per request (413 above)
     max_request_tokens: int = 32768  # tokens of text per request: chunk texts plus messages (413 above)
     max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for (400 above)
-    method: str = DEFAULT_METHOD  # default method when a request names none
+    link_adapter: str | None = "auto"  # KVRag(link_adapter=...): auto (the tuned bundled model), links, None, or a file
+    method: str | None = None  # the method when a request names none; None: the engine's (KVRag.default_method)
     recompute_ratio: float = 0.15
     max_new_tokens: int = 64  # default max_tokens
 
