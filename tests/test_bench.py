@@ -7,7 +7,7 @@ import pytest
 from kvrag import KVRag, from_model
 from kvrag.cli import main
 from kvrag.eval.data import Example, sample_examples
-from kvrag.eval.report import load_records, summarize, write_report
+from kvrag.eval.report import load_records, markdown_table, summarize, write_report
 from kvrag.eval.runner import Setting, make_settings, run
 from kvrag.eval.speed import SweepOptions, corpus_chunks, load_share, parse_sizes, shape_config, shape_names, speed_markdown, speed_sweep
 from kvrag.types import Chunk
@@ -176,7 +176,12 @@ def test_variants_are_scored_against_the_base_models_full_attention(tmp_path):
         twin = by[(ex.id, "full{same}")]
         assert twin["model"] == "same" and twin["agree"] == 1.0 and twin["kl"] < 1e-6
         assert by[(ex.id, "kvlink@0[link_tokens=0]{same}")]["answer"] == by[(ex.id, "reuse")]["answer"]
+        other_full = by[(ex.id, "full{other}")]
+        assert other_full["agree_own"] == 1.0 and other_full["kl_own"] == 0.0  # its own weights' Full is itself
+        assert by[(ex.id, "reuse")]["kl_own"] == by[(ex.id, "reuse")]["kl"]  # base rows: own Full is the base Full
     assert max(by[(ex.id, "full{other}")]["kl"] for ex in EXAMPLES) > 1e-4  # other weights: scored against the base
+    table = markdown_table(summarize(load_records(path)))
+    assert "agreement w/ own Full" in table and "| full{other} |" in table
 
 
 def test_row_ranges_and_merging_split_runs(tmp_path, capsys):

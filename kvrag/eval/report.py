@@ -11,7 +11,7 @@ from typing import Any
 
 from kvrag.eval.metrics import f1
 
-METRICS = ("f1", "contains", "agree", "agree_f1", "kl")
+METRICS = ("f1", "contains", "agree", "agree_f1", "kl", "agree_own", "kl_own")
 
 
 def bootstrap_ci(values: list[float], iters: int = 1000, seed: int = 0) -> tuple[float, float]:
@@ -67,6 +67,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         if "agree_f1" not in r:  # token F1 between this answer and Full Attention's: a softer agreement
             r["agree_f1"] = f1(r["answer"], full_answer.get(r["example"], ""))
+        r.setdefault("agree_own", r["agree"])  # records from before the own-weights reference: base rows only
+        r.setdefault("kl_own", r["kl"])
         by[r["setting"]].append(r)
     full_score = _mean(by.get("full", []), "contains")
     reuse_score = _mean(by.get("reuse", []), "contains")
@@ -105,19 +107,25 @@ def _mean(rs: list[dict[str, Any]], key: str) -> float:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Quality: task score, fidelity to Full Attention (95% bootstrap intervals) and the normalised score."""
+    """Quality: task score, fidelity to Full Attention (95% bootstrap intervals) and the normalised score.
+    With model variants (other weights), two more columns score each row against Full Attention over
+    its own weights ("own Full"); the other fidelity columns stay against the base model's."""
+    own = any(r.get("model") for r in rows)
+    extra = " agreement w/ own Full | KL vs own Full |" if own else ""
     head = (
         "| setting | n | recomputed | kept KV | answer-contained | F1 | agreement w/ Full | F1 vs Full | first-token KL | "
-        "normalised | TTFT Full ÷ method |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        f"normalised | TTFT Full ÷ method |{extra}\n|---|---|---|---|---|---|---|---|---|---|---|{'---|---|' if own else ''}\n"
     )
     lines = []
     for r in rows:
         lo, hi = r["agree_ci"]
         clo, chi = r["contains_ci"]
+        olo, ohi = r["agree_own_ci"]
         lines.append(
             f"| {r['setting']} | {r['n']} | {r['recomputed_share']:.0%} | {r.get('kept_kv_ratio', 1.0):.0%} | "
             f"{r['contains']:.3f} [{clo:.2f}, {chi:.2f}] | {r['f1']:.3f} | {r['agree']:.3f} [{lo:.2f}, {hi:.2f}] | "
             f"{r['agree_f1']:.3f} | {r['kl']:.3f} | {r['normalized']:.2f} | {r['ttft_ratio']:.1f}× |"
+            + (f" {r['agree_own']:.3f} [{olo:.2f}, {ohi:.2f}] | {r['kl_own']:.3f} |" if own else "")
         )
     return head + "\n".join(lines) + "\n"
 

@@ -139,8 +139,13 @@ def _done(path: Path) -> set[tuple[str, str]]:
     return done
 
 
-def _record(ex: Example, st: Setting, pre: Prefill, text: str, full_text: str, full: Prefill | None) -> dict[str, Any]:
+def _record(
+    ex: Example, st: Setting, pre: Prefill, text: str, full_text: str, full: Prefill | None, own: tuple[Prefill, str] | None = None
+) -> dict[str, Any]:
+    """One answer's scores: against the gold answers, the base model's Full Attention (`full`) and
+    Full Attention over the setting's own weights (`own`: the same as `full` for the base model)."""
     s = pre.stats
+    own_pre, own_text = own if own is not None else (full, full_text)
     return {
         "example": ex.id,
         "setting": st.name,
@@ -153,6 +158,8 @@ def _record(ex: Example, st: Setting, pre: Prefill, text: str, full_text: str, f
         "contains": contains(text, ex.answers),
         "agree": agreement(text, full_text),
         "kl": first_token_kl(full.logits, pre.logits) if full is not None else 0.0,
+        "agree_own": agreement(text, own_text),
+        "kl_own": first_token_kl(own_pre.logits, pre.logits) if own_pre is not None else 0.0,
         "ttft_s": s.ttft_s,
         "full_ttft_s": full.stats.ttft_s if full is not None else s.ttft_s,
         "load_s": s.load_s,
@@ -213,16 +220,20 @@ def run(
             rag.prefill(ex.question, ids, method="reuse")  # warm-up: the store serves from a warm page cache
             full = rag.prefill(ex.question, ids, method="full")
             full_text = rag.decode(full, max_new_tokens=max_new_tokens).answer().text
+            own_full: dict[str, tuple[Prefill, str]] = {"": (full, full_text)}  # each weights' own Full Attention
             for st in todo:
-                if st.method == "full" and not st.model:
-                    pre, text = full, full_text
+                engine = variants[st.model] if st.model else rag
+                if st.model not in own_full:
+                    ref = engine.prefill(ex.question, ids, method="full")
+                    own_full[st.model] = (ref, engine.decode(ref, max_new_tokens=max_new_tokens).answer().text)
+                if st.method == "full" and not st.params:
+                    pre, text = own_full[st.model]
                 else:
-                    engine = variants[st.model] if st.model else rag
                     pre = engine.prefill(
                         ex.question, ids, method=st.method, recompute_ratio=st.ratio, kv_kind=st.kv_kind, **dict(st.params)
                     )
                     text = engine.decode(pre, max_new_tokens=max_new_tokens).answer().text
-                f.write(json.dumps(_record(ex, st, pre, text, full_text, full)) + "\n")
+                f.write(json.dumps(_record(ex, st, pre, text, full_text, full, own_full[st.model])) + "\n")
                 f.flush()
                 bar.update(1)
     bar.close()
