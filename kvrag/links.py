@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 from kvrag.errors import AdapterMismatchError
 from kvrag.layout import LAYOUT_VERSION, Segments
 from kvrag.masks import additive
-from kvrag.model import LoadedModel, architecture_identity, model_fingerprint, text_config
+from kvrag.model import LoadedModel, architecture_identity, text_config
 from kvrag.version import __version__
 
 log = logging.getLogger(__name__)
@@ -385,7 +385,9 @@ def apply_adapter(lm: LoadedModel, adapter: LinkAdapter, inplace: bool = False) 
     model = lm.model if inplace else copy.deepcopy(lm.model)
     merge_weights(model, adapter)
     model.train(False)
-    fp = hashlib.sha256(f"{model_fingerprint(model)}:link-adapter:{adapter.weights_digest()}".encode()).hexdigest()[:32]
+    # the base weights' fingerprint (dtype included) and the adapter's digest name the merged weights:
+    # no second pass over the weights (~0.5 s on the bundled model)
+    fp = hashlib.sha256(f"{lm.fingerprint}:link-adapter:{adapter.weights_digest()}".encode()).hexdigest()[:32]
     return LoadedModel(model=model, tokenizer=lm.tokenizer, fingerprint=fp, source=f"{lm.source}+{adapter.mode}{MERGED_SUFFIX}")
 
 
