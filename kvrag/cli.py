@@ -18,7 +18,7 @@ from kvrag.cli_types import link_adapter_arg, positive_int, ratio_or_auto
 from kvrag.decode import STOP_RULES
 from kvrag.eval.speed import LAYERWISE_CHOICES
 from kvrag.errors import KVRagError
-from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT, TUNED_METHOD
+from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT, RATIO_FREE, TUNED_METHOD
 from kvrag.samples import sample_corpus_dir, sample_questions
 
 DEFAULT_K = 5
@@ -289,13 +289,20 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvrag.methods import get_method
 
     _, params = parse_method("m:" + ",".join(args.param))
-    try:
-        get_method(args.method or DEFAULT_METHOD, **dict(params))  # a mistyped method or parameter fails before any work
-    except TypeError as exc:
-        raise KVRagError(str(exc)) from None
+
+    def check(method: str) -> None:  # a mistyped method or parameter is a one-line error, not a traceback
+        try:
+            get_method(method, **dict(params))
+        except TypeError as exc:
+            raise KVRagError(str(exc)) from None
+
+    if args.method is not None:
+        check(args.method)  # before any work
     if args.server:
-        return _ask_via_server(args, dict(params))
+        return _ask_via_server(args, dict(params))  # no method named: the server's, which checks the parameters
     rag, index = _open(args)
+    if args.method is None:
+        check(rag.default_method)  # the parameters belong to the engine's default method
     chunks = _retrieve(index, args.question, args.top_k)
     stream = rag.stream(
         args.question,
@@ -352,7 +359,7 @@ def compare_with_full(rag, question: str, chunks, methods) -> list[str]:
         quality = "reference" if method == "full" else (
             f"{'agrees' if agreement(text, full_text) else 'DIFFERS'}, KL {first_token_kl(full.logits, pre.logits):.3f}"
         )
-        label = method if method in ("full", "reuse", TUNED_METHOD) else f"{method}@{DEFAULT_RATIO:g}"
+        label = method if method in RATIO_FREE else f"{method}@{DEFAULT_RATIO:g}"
         lines.append(f"[{label:>15}] {text}\n{'':18}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
     return lines
 

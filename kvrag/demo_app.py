@@ -20,6 +20,7 @@ from typing import Any
 import streamlit as st
 
 from kvrag.eval.metrics import agreement, first_token_kl
+from kvrag.options import RATIO_FREE
 from kvrag.cli import _quiet_libraries, sample_questions
 from kvrag.demo.ingest import (  # noqa: F401  (re-exported for callers of the old single module)
     CHUNK_TOKENS,
@@ -149,7 +150,7 @@ class Result:
 def side_title(method: str, ratio: float) -> str:
     if method == BASELINE:
         return "Full Attention (full)"
-    return f"{method}" + ("" if method in ("reuse", "kvlink") else f" (recompute {ratio:.0%})")
+    return f"{method}" + ("" if method in RATIO_FREE else f" (recompute {ratio:.0%})")
 
 
 def stats_caption(stats: dict[str, Any]) -> str:
@@ -252,7 +253,7 @@ def sidebar_settings(folder: Path) -> Settings:
     default = load_engine().default_method  # kvlink over the tuned bundled model, else cacheblend
     method = sb.selectbox("Method", names, index=names.index(default) if default in names else 0, key="method")
     sb.caption(method_summary(method))
-    ratio = sb.slider("Recompute ratio", 0.0, 1.0, DEFAULT_RATIO, 0.01, key="ratio", disabled=method in ("reuse", "kvlink"),
+    ratio = sb.slider("Recompute ratio", 0.0, 1.0, DEFAULT_RATIO, 0.01, key="ratio", disabled=method in RATIO_FREE,
                       help="share of the retrieved chunks' tokens the method recomputes")
     top_k = sb.slider("Chunks to retrieve (top-k)", 1, 10, DEFAULT_K, key="top_k")
     max_new = sb.slider("Max new tokens", 8, 256, DEFAULT_MAX_NEW_TOKENS, 8, key="max_new")

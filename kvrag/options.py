@@ -24,6 +24,7 @@ DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_a
 # (`KVRag.default_method`): options leave the method None and the engine fills it in.
 DEFAULT_METHOD = "cacheblend"
 TUNED_METHOD = "kvlink"
+RATIO_FREE = ("full", "reuse", TUNED_METHOD)  # methods that, as named, recompute no chosen share of chunk tokens
 DEFAULT_RATIO = 0.15
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"

@@ -26,6 +26,14 @@ def test_top_k_zero_is_refused_by_the_parser(capsys):
     assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.smollm
+def test_parameters_without_a_method_are_checked_against_the_engines_default(tmp_path, capsys, smollm):
+    store = ["--store", f"disk://{tmp_path / 'kv'}", "--device", "cpu", "--collection", "cli_params"]
+    assert main(["ask", "Why?", *store, "--param", "layr=2"]) == 2  # cacheblend (no tuned adapter) has no `layr`
+    err = capsys.readouterr().err
+    assert "layr" in err and "Traceback" not in err
+
+
 def test_link_adapter_option_takes_auto_links_none_or_a_file(tmp_path, capsys):
     from kvrag.cli import _parser
     from kvrag.server.cli import settings_from_args
