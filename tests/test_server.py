@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from kvrag import Chunk, KVRag, from_model  # noqa: E402
 from kvrag.server import ServerSettings, create_app  # noqa: E402
+from kvrag.server.errors import APIError  # noqa: E402
+from kvrag.server.schemas import ChatRequest, answer_options  # noqa: E402
 from kvrag.server.client import ServerError, ask_via_server, delete_via_server, health, ingest_via_server  # noqa: E402
 from test_backends import REDIS, RedisServer, free_port  # noqa: E402
 from tiny import THREE_CHUNKS, THREE_Q, tiny_model, tiny_tokenizer  # noqa: E402
@@ -179,6 +181,17 @@ def test_bad_input_is_a_400_with_a_clear_message(http, body, code, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == code and needle in err["message"]
+
+
+def test_a_request_naming_no_method_is_checked_against_the_engines_default():
+    """Over a tuned model the engine answers with kvlink: its own parameters pass the early check,
+    while the same request over a cacheblend engine is a 400 naming the parameter."""
+    req = ChatRequest(**chat(kvrag={"chunk_ids": ["a"], "params": {"link_tokens": 5}}))
+    opts = answer_options(req, SETTINGS, "kvlink")
+    assert opts.method == "kvlink" and dict(opts.method_params) == {"link_tokens": 5}
+    with pytest.raises(APIError) as caught:
+        answer_options(req, SETTINGS, "cacheblend")
+    assert caught.value.status == 400 and "link_tokens" in str(caught.value)
 
 
 def test_request_limits_are_413(http):

@@ -41,7 +41,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], AnswerStream]
     It first checks the request's text against the token limit: the tokenizer runs in that thread
     too, next to the engine's own tokenisation, never on the event loop.
     """
-    opts = answer_options(req, state.settings)
+    opts = answer_options(req, state.settings, state.rag.default_method)
     rag, settings, ctx = state.rag, state.settings, req.kvrag
     if ctx is not None and ctx.has_context:
         if ctx.chunk_ids is not None and ctx.chunks is not None:

@@ -77,9 +77,10 @@ class IngestRequest(BaseModel):
     chunks: list[ChunkIn] = Field(min_length=1)
 
 
-def answer_options(req: ChatRequest, settings: ServerSettings) -> AnswerOptions:
+def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str) -> AnswerOptions:
     """The request's options over the server's defaults; an unknown method or parameter is a 400 now,
-    before the request waits for a slot."""
+    before the request waits for a slot. `default_method` is the engine's (KVRag.default_method): a
+    request and the settings that name no method are checked against the method that will answer."""
     ctx = req.kvrag or KVRagContext()
     clash = sorted(_RESERVED & set(ctx.params))
     if clash:
@@ -88,7 +89,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings) -> AnswerOptions:
     if max_new > settings.max_tokens_limit:
         raise APIError(400, f"max_tokens is {max_new} but this server allows at most {settings.max_tokens_limit}", "invalid_request")
     kwargs: dict[str, Any] = dict(
-        method=ctx.method or settings.method,
+        method=ctx.method or settings.method or default_method,
         recompute_ratio=settings.recompute_ratio if ctx.recompute_ratio is None else ctx.recompute_ratio,
         max_new_tokens=max_new,
         temperature=req.temperature or 0.0,
