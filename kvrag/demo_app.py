@@ -194,11 +194,14 @@ def show_speedup(result: Result) -> None:
 def show_chunks(result: Result) -> None:
     method = result.sides[0].method
     st.subheader("Retrieved chunks")
-    st.caption(
-        f"Highlighted: the tokens {method} recomputed; the rest came from the precomputed KV cache"
-        + (" (struck-through tokens were dropped from the cache)" if method == "samkv" else "")
-        + "."
-    )
+    if not any(v.recomputed for v in result.chunks):  # full reuse, kvlink: no chunk token recomputed
+        st.caption(f"{method} recomputed none of these tokens: every chunk came from the precomputed KV cache.")
+    else:
+        st.caption(
+            f"Highlighted: the tokens {method} recomputed; the rest came from the precomputed KV cache"
+            + (" (struck-through tokens were dropped from the cache)" if method == "samkv" else "")
+            + "."
+        )
     # open the best-ranked chunk that has something highlighted (the first one if none has)
     opened = next((i for i, v in enumerate(result.chunks) if v.recomputed), 0)
     for i, view in enumerate(result.chunks):

@@ -29,7 +29,7 @@ def test_top_k_zero_is_refused_by_the_parser(capsys):
 @pytest.mark.smollm
 def test_parameters_without_a_method_are_checked_against_the_engines_default(tmp_path, capsys, smollm):
     store = ["--store", f"disk://{tmp_path / 'kv'}", "--device", "cpu", "--collection", "cli_params"]
-    assert main(["ask", "Why?", *store, "--param", "layr=2"]) == 2  # cacheblend (no tuned adapter) has no `layr`
+    assert main(["ask", "Why?", *store, "--param", "layr=2"]) == 2  # neither cacheblend nor kvlink (over a tuned adapter) has `layr`
     err = capsys.readouterr().err
     assert "layr" in err and "Traceback" not in err
 

@@ -165,7 +165,16 @@ def test_app_starts_with_the_sample_corpus(app, kvrag_home):
 
 
 @pytest.mark.smollm
+def test_the_method_defaults_to_the_engines_default(app):
+    from kvrag.links import SHIPPED_ADAPTERS, SHIPPED_DIR
+
+    tuned = SHIPPED_DIR / SHIPPED_ADAPTERS["bundled:smollm2-135m-instruct"]["tuned"]
+    assert app.selectbox(key="method").value == ("kvlink" if tuned.is_file() else "cacheblend")
+
+
+@pytest.mark.smollm
 def test_ask_streams_both_answers_with_ttft_and_speedup(app):
+    app.selectbox(key="method").set_value("cacheblend")  # a method that recomputes: its tokens are highlighted
     app.text_input(key="question").set_value("In what year did the Brannoch Line open?")
     app.button(key="ask").click().run()
     assert not app.exception, [e.value for e in app.exception]

@@ -44,6 +44,6 @@ def test_demo_in_a_real_browser(screenshot_script, kvrag_home, tmp_path):
     shot = screenshot_script.capture(out, timeout=240, env=env)  # per step; generous for loaded CI machines
     assert len(shot.ttfts) == 2 and all(t.endswith(" ms") for t in shot.ttfts)
     assert shot.speedup.endswith("×") and float(shot.speedup[:-1]) > 0
-    assert shot.marks > 0
+    assert shot.method and (shot.marks > 0 or not shot.recomputes)  # kvlink (the tuned default) recomputes no chunk token
     with Image.open(out) as img:
         assert img.format == "PNG" and img.width >= 1000 and img.height >= 800

@@ -168,6 +168,10 @@ def test_bad_input_raises_clear_errors():
         rag.answer(Q, IDS, method="magic")
     with pytest.raises(ValueError, match="recompute_ratio"):
         rag.answer(Q, IDS, method="reuse", recompute_ratio=1.5)
+    with pytest.raises(TypeError, match="'cacheblend' has no parameter 'layr'; its parameters: layer, "):
+        rag.answer(Q, IDS, method="cacheblend", layr=2)
+    with pytest.raises(TypeError, match="'reuse' has no parameter 'layr'; it takes none"):  # kvlink's default rule
+        rag.answer(Q, IDS, method="kvlink", layr=2)
     huge = Chunk("huge", "word " * 5000)
     with pytest.raises(ContextTooLongError, match="context is 4096"):
         rag.answer(Q, chunks=[huge])

@@ -3,6 +3,7 @@ others up without importing the package that registers it."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from kvrag.methods.base import Method
@@ -35,7 +36,28 @@ def _build(name: str, **params: Any) -> Method:
         cls = METHODS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}") from None
+    unknown = _unknown_params(cls, params)
+    if unknown:
+        own = _own_params(cls)
+        raise TypeError(
+            f"method {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            + (f"its parameters: {', '.join(own)}" if own else "it takes none")
+        )
     try:
         return cls(**params)
     except TypeError as exc:
         raise TypeError(f"method {name!r}: {exc}") from None
+
+
+def _own_params(cls: type[Method]) -> list[str]:
+    """The named keyword parameters of a method's constructor."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(cls).parameters.values() if p.kind in kinds]
+
+
+def _unknown_params(cls: type[Method], params: dict[str, Any]) -> list[str]:
+    """Parameters the constructor cannot take (none where it passes extra ones on, as kvlink does to
+    its selection rule, which then names them itself)."""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
+        return []
+    return sorted(set(params) - set(_own_params(cls)))
