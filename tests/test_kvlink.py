@@ -454,6 +454,28 @@ def test_an_adapter_over_a_model_with_one_merged_in_is_refused_and_with_store_sh
 
 
 # -- training -----------------------------------------------------------------------------------
+def test_min_chunks_varies_the_passage_count_and_keeps_the_gold_one():
+    """`min_chunks` makes examples of 1..max passages, the gold one always among them; unset, an
+    example is what it was before the option (same passages, same order: no extra draw)."""
+    rag = make_rag()
+    counts = set()
+    for i, r in enumerate(rows(6)):
+        for seed in range(12):
+            ex = build_example(rag.layout, r, random.Random(f"{seed}:{i}"), 2, 4, 4096, min_chunks=1)
+            counts.add(len(ex.chunks))
+            gold_text = r["ctxs"][r["gold_index"]]["text"]
+            assert ex.gold is not None and ex.chunks[ex.gold].text == gold_text
+            assert len(ex.segments.chunks) == len(ex.chunks)
+        before = build_example(rag.layout, r, random.Random(i), 2, 4, 4096)
+        assert [c.text for c in before.chunks] == [c.text for c in build_example(rag.layout, r, random.Random(i), 2, 4, 4096, None).chunks]
+        assert len(before.chunks) == 4
+    assert counts == {1, 2, 3, 4}
+    assert "min_chunks" not in TrainConfig(out="x").resume_key()  # runs from before the option resume
+    assert TrainConfig(out="x", min_chunks=2).resume_key()["min_chunks"] == 2
+    with pytest.raises(ValueError, match="min_chunks"):
+        TrainConfig(out="x", max_chunks=4, min_chunks=5)
+
+
 @pytest.mark.parametrize("mode", ["links", "lora", "full"])
 def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch(mode):
     if mode == "lora":

@@ -31,6 +31,9 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default=d.mode)
     p.add_argument("--link-tokens", type=int, default=d.link_tokens, help="K link tokens per chunk (default %(default)s)")
     p.add_argument("--max-chunks", type=int, default=d.max_chunks, help="chunk indices with their own link rows (default %(default)s)")
+    p.add_argument("--min-chunks", type=int, default=None,
+                   help="each example keeps a random number of passages from this to --max-chunks, the gold one "
+                        "among them, so short prompts are learned too (default: up to --max-chunks)")
     p.add_argument("--epochs", type=float, default=d.epochs)
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -67,6 +70,7 @@ def cmd_train_links(args: argparse.Namespace) -> int:
         mode=args.mode,
         link_tokens=args.link_tokens,
         max_chunks=args.max_chunks,
+        min_chunks=args.min_chunks,
         epochs=args.epochs,
         max_steps=args.max_steps,
         batch_size=args.batch_size,

@@ -20,6 +20,7 @@ class TrainConfig:
     mode: str = "links"
     link_tokens: int = 5
     max_chunks: int = DEFAULT_MAX_CHUNKS
+    min_chunks: int | None = None  # each example keeps a random min..max passages (gold kept); None: up to max_chunks
     epochs: float = 1.0
     max_steps: int | None = None  # optimizer steps; overrides epochs
     batch_size: int = 1
@@ -51,6 +52,8 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.link_tokens < 0 or self.max_chunks < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("link_tokens >= 0, max_chunks >= 1, batch_size >= 1 and grad_accum >= 1 are required")
+        if self.min_chunks is not None and not 1 <= self.min_chunks <= self.max_chunks:
+            raise ValueError(f"min_chunks must be from 1 to max_chunks ({self.max_chunks}), got {self.min_chunks}")
         if self.mode == "links" and self.link_tokens == 0:
             raise ValueError("mode 'links' with 0 link tokens has nothing to train")
 
@@ -58,5 +61,8 @@ class TrainConfig:
         """What must not change between a run and its resumption."""
         keys = ("data", "rows", "model", "mode", "link_tokens", "max_chunks", "batch_size", "grad_accum", "seed", "max_tokens",
                 "lora_r", "lora_alpha", "lora_targets", "system_prompt")
-        return {k: getattr(self, k) for k in keys}
+        key = {k: getattr(self, k) for k in keys}
+        if self.min_chunks is not None:  # only when set: runs from before the option resume unchanged
+            key["min_chunks"] = self.min_chunks
+        return key
 

@@ -94,11 +94,18 @@ def answer_ids(layout: PromptLayout, answer: str) -> list[int]:
     return ids + ([int(eos)] if isinstance(eos, int) else [])
 
 
-def build_example(layout: PromptLayout, row: dict, rng: random.Random, link_tokens: int, max_chunks: int, max_tokens: int) -> Example:
+def build_example(
+    layout: PromptLayout, row: dict, rng: random.Random, link_tokens: int, max_chunks: int, max_tokens: int,
+    min_chunks: int | None = None,
+) -> Example:
+    """One training prompt from a row. With `min_chunks`, the example keeps a random number of passages
+    from min_chunks to max_chunks (the gold one among them), so the model also sees prompts with few
+    chunks, as a RAG app with a small top-k sends; None keeps up to max_chunks (and draws nothing)."""
     ctxs, gold = shuffled_passages(row, rng)
-    if gold is not None and gold >= max_chunks:  # keep the gold passage: it replaces the last one kept
-        ctxs, gold = ctxs[: max_chunks - 1] + [ctxs[gold]], max_chunks - 1
-    ctxs = ctxs[:max_chunks]
+    keep = max_chunks if min_chunks is None else rng.randint(min(min_chunks, max_chunks), max_chunks)
+    if gold is not None and gold >= keep:  # keep the gold passage: it replaces the last one kept
+        ctxs, gold = ctxs[: keep - 1] + [ctxs[gold]], keep - 1
+    ctxs = ctxs[:keep]
     chunks = [Chunk(id=f"p{i}", text=str(c.get("text", "")), title=str(c.get("title", "") or "")) for i, c in enumerate(ctxs)]
     ans = answer_ids(layout, str((row.get("answers") or [""])[0]))
     question = layout.question_ids(str(row["question"]))

@@ -191,7 +191,10 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
         for _ in range(cfg.grad_accum):
             picks = next(feed)
             examples = [
-                build_example(layout, rows[i], random.Random(f"{cfg.seed}:{e}:{i}"), cfg.link_tokens, cfg.max_chunks, cfg.max_tokens)
+                build_example(
+                    layout, rows[i], random.Random(f"{cfg.seed}:{e}:{i}"), cfg.link_tokens, cfg.max_chunks, cfg.max_tokens,
+                    cfg.min_chunks,
+                )
                 for e, i in picks
             ]
             loss = example_loss(model, examples, links, cfg.max_chunks, rag=rag, rotary=rotary) / cfg.grad_accum
