@@ -36,16 +36,16 @@ def _build(name: str, **params: Any) -> Method:
         cls = METHODS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}") from None
-    unknown = _unknown_params(cls, params)
-    if unknown:
-        own = _own_params(cls)
-        raise TypeError(
-            f"method {name!r} has no parameter {', '.join(map(repr, unknown))}; "
-            + (f"its parameters: {', '.join(own)}" if own else "it takes none")
-        )
     try:
         return cls(**params)
-    except TypeError as exc:
+    except TypeError as exc:  # diagnosed here, off the per-request path
+        unknown = _unknown_params(cls, params)
+        if unknown:
+            own = _own_params(cls)
+            raise TypeError(
+                f"method {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+                + (f"its parameters: {', '.join(own)}" if own else "it takes none")
+            ) from None
         raise TypeError(f"method {name!r}: {exc}") from None
 
 
