@@ -57,7 +57,7 @@ class KVRag(KVRagCore):
           bundled SmolLM2 the tuned one (LoRA, K = 5), whose weights are merged in and whose
           `method="kvlink"` becomes the default method; else the shipped links-only one; else none.
         - "links": only the shipped links-only adapter (the base weights; kvlink uses its links).
-        - None: no adapter, the base weights (default method cacheblend).
+        - None (or "none", as on the command line): no adapter, the base weights (default method cacheblend).
         - a path or a `LinkAdapter`: that adapter, checked against this model and layout
           (AdapterMismatchError otherwise).
         An adapter with LoRA or full weights changes the model: the engine serves a merged copy (every
@@ -114,7 +114,7 @@ class KVRag(KVRagCore):
 
 def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layout: PromptLayout) -> LinkAdapter | None:
     """The adapter `link_adapter=spec` names (see `KVRag.__init__`), checked against the model and layout."""
-    if spec is None:
+    if spec is None or (isinstance(spec, str) and spec.lower() == "none"):  # "none": as `--link-adapter none`
         return None
     if isinstance(spec, str) and spec in ("auto", "links"):
         return _shipped_adapter(lm, layout, ("tuned", "links") if spec == "auto" else ("links",))

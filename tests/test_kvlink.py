@@ -435,6 +435,8 @@ def test_shipped_tuned_adapter_is_merged_and_answers_with_kvlink_by_default(tmp_
     assert links.lm is rag.lm and links.link_adapter.link_tokens == 3 and links.default_method == "cacheblend"
     base = KVRag(rag.lm, store="memory://", check=False, link_adapter=None)
     assert base.lm is rag.lm and base.link_adapter is None and base.prefill(Q, chunks=CHUNKS).stats.method == "cacheblend"
+    named = KVRag(rag.lm, store="memory://", check=False, link_adapter="None")  # the command line's spelling, not a file
+    assert named.lm is rag.lm and named.link_adapter is None and named.default_method == "cacheblend"
     terse = KVRag(rag.lm, store="memory://", check=False, system_prompt="You are terse.")  # neither fits this layout
     assert terse.lm is rag.lm and terse.link_adapter is None
 
