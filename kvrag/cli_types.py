@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
+from kvrag.links import SHIPPED_SPECS, names_no_adapter
+
 
 def _bounded(cast: Callable[[str], float], what: str, lo: float | None = None, hi: float | None = None) -> Callable[[str], float]:
     def parse(text: str) -> float:
@@ -34,9 +36,9 @@ def ratio_or_auto(text: str) -> float | str:
 
 def link_adapter_arg(text: str) -> str | None:
     """`--link-adapter`: auto, links, none (the base weights: None) or an adapter file that exists."""
-    if text.lower() == "none":
+    if names_no_adapter(text):
         return None
-    if text in ("auto", "links"):
+    if text in SHIPPED_SPECS:
         return text
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"expected auto, links, none or an adapter file, got {text!r} (no such file)")

@@ -12,7 +12,7 @@ from kvrag.cache_backends import KVStore
 from kvrag.check import gate
 from kvrag.core import KVRagCore
 from kvrag.layout import PromptLayout
-from kvrag.links import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
+from kvrag.links import SHIPPED_SPECS, LinkAdapter, apply_adapter, check_adapter, load_adapter, names_no_adapter, shipped_adapter_paths
 from kvrag.model import LoadedModel, load_model
 from kvrag.options import CHUNK_KINDS, DEFAULT_METHOD, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY, TUNED_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill
@@ -114,9 +114,9 @@ class KVRag(KVRagCore):
 
 def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layout: PromptLayout) -> LinkAdapter | None:
     """The adapter `link_adapter=spec` names (see `KVRag.__init__`), checked against the model and layout."""
-    if spec is None or (isinstance(spec, str) and spec.lower() == "none"):  # "none": as `--link-adapter none`
+    if names_no_adapter(spec):
         return None
-    if isinstance(spec, str) and spec in ("auto", "links"):
+    if isinstance(spec, str) and spec in SHIPPED_SPECS:
         return _shipped_adapter(lm, layout, ("tuned", "links") if spec == "auto" else ("links",))
     adapter = spec if isinstance(spec, LinkAdapter) else load_adapter(spec)
     check_adapter(adapter, lm, layout.identity, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))

@@ -78,6 +78,13 @@ SHIPPED_ADAPTERS: dict[str, dict[str, str]] = {
     }
 }
 SHIPPED_KINDS = ("tuned", "links")
+SHIPPED_SPECS = ("auto", "links")  # the `link_adapter=` / `--link-adapter` words that name shipped adapters
+
+
+def names_no_adapter(spec: object) -> bool:
+    """Whether `link_adapter=spec` asks for the base weights: None, or "none" in any case (the
+    command line's spelling, so the API and `--link-adapter none` read the same word alike)."""
+    return spec is None or (isinstance(spec, str) and spec.lower() == "none")
 MERGED_SUFFIX = "-adapter"  # ends the source of a model with an adapter merged in ("...+lora-adapter")
 
 
