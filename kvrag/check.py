@@ -51,6 +51,7 @@ from kvrag.model import (
     from_model,
     kvrag_home,
     load_model,
+    load_tokenizer,
     resolve_device,
     resolve_dtype,
     text_config,
@@ -445,7 +446,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     print(f"loading model ({source or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
     try:
         if shape:
-            tokenizer = load_model(source).tokenizer  # any tokenizer: its ids fit every shape's vocabulary
+            tokenizer = load_tokenizer(source)  # any tokenizer: its ids fit every shape's vocabulary
             print(f"building {shape} with random weights (the gate's numerics only) ...", file=sys.stderr)
             lm = random_model(shape, tokenizer, device=device, dtype=dtype)
         else:

@@ -205,6 +205,30 @@ def load_model(
     return from_model(model, tok, source=name)
 
 
+def load_tokenizer(source: str | os.PathLike | None = None, **hf_kwargs: Any) -> Any:
+    """Only the tokenizer of `source` (as `load_model` reads it), with no weights loaded.
+
+    Random-weight shapes need any tokenizer whose ids fit their vocabulary; reading just the
+    tokenizer spares de-quantising the bundled model and lets a GPU machine carry a 2 MB folder
+    instead of the 98 MB GGUF."""
+    from transformers import AutoTokenizer
+
+    try:
+        if source is None or str(source) in ("bundled", BUNDLED_NAME) or str(source).endswith(".gguf"):
+            gguf = bundled_gguf_path() if source is None or str(source) in ("bundled", BUNDLED_NAME) else Path(source).expanduser()
+            if not gguf.is_file():
+                raise ModelLoadError(f"GGUF file not found: {gguf}")
+            converted = _converted_gguf_dir(gguf)
+            if (converted / "tokenizer_config.json").exists():
+                return AutoTokenizer.from_pretrained(converted)
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return AutoTokenizer.from_pretrained(str(source), **hf_kwargs)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the tokenizer of {source!r}: {exc}") from exc
+
+
 def from_model(model: Any, tokenizer: Any, source: str = "user") -> LoadedModel:
     """Wrap an already loaded model (the path tests and power users take)."""
     check_supported(model)

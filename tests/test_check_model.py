@@ -376,3 +376,15 @@ def test_check_passes_on_the_bundled_model(smollm):
     for name in NUMERIC:
         assert report.row(name).error <= report.row(name).tolerance == 1e-4
     assert isinstance(CheckReport.from_dict(json.loads(json.dumps(report.to_dict()))), CheckReport)
+
+
+def test_load_tokenizer_reads_a_folder_without_weights(tmp_path):
+    """Random-weight shapes need only a tokenizer: `load_tokenizer` reads one from a folder (a GPU
+    machine carries 2 MB, not the GGUF) and says clearly when the path holds none."""
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    tok = kmodel.load_tokenizer(tmp_path / "tok")
+    assert tok.decode(tok("kv cache reuse")["input_ids"]) == "kv cache reuse"
+    with pytest.raises(kmodel.ModelLoadError):
+        kmodel.load_tokenizer(tmp_path / "missing.gguf")
+    with pytest.raises(kmodel.ModelLoadError):
+        kmodel.load_tokenizer(tmp_path / "empty-folder-that-is-not-there")

@@ -179,3 +179,18 @@ def test_no_import_cycle_among_kvrag_modules():
     report = [f"{' -> '.join(_cycle_in(graph, set(comp)))}  (tangle of {len(comp)}: {', '.join(comp)})" for comp in tangles(graph)]
     print("\n".join(report) or "imports: no cycle")
     assert not report, "import cycles:\n" + "\n".join(report)
+
+
+def test_every_package_is_installed():
+    """A package folder missing from pyproject's list works in an editable install and breaks in a
+    wheel (kvrag.store_admin once did: `kvrag cache ...` failed with ModuleNotFoundError)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder, package in PACKAGES.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            if "tests" not in parts and "__pycache__" not in parts:
+                found.add(".".join([package, *parts]))
+    assert found - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"

@@ -2,28 +2,24 @@
 # Run HERE (the CPU machine), once, before a session's GPU work: fills .gpu/ (kept out of git through
 # .git/info/exclude) with what the lent GPU machine lacks, so each `run` call carries [".gpu"]:
 #   .gpu/whl/        wheels of this machine's transformers, huggingface_hub, tokenizers, httpx2,
-#                    httpcore2, truststore and gguf, for the device's Python 3.12 (its own are older or absent)
-#   .gpu/data/nq10_dev.jsonl the training and evaluation rows (../shared does not travel)
-#   .gpu/model/part-0..3     the bundled model's GGUF (98 MB: more than one call may carry) in four
-#                            pieces, with its sha256; `device.sh receive` joins them on the machine
-# A call carries at most 64 MiB with the checkout (~9 MB), so the first three calls of a session
-# bring these over (see scripts/gpu/device.sh for the chain).
+#                    httpcore2 and truststore, for the device's Python 3.12 (its own are older or absent)
+#   .gpu/tokenizer/  the bundled model's tokenizer alone (~3 MB): the random-weight shapes need only
+#                    a tokenizer, so no call has to carry the 98 MB GGUF
+# Together ~20 MB, so one call carries them with the checkout (see scripts/gpu/device.sh).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
-rm -rf .gpu && mkdir -p .gpu/whl .gpu/model .gpu/data
+rm -rf .gpu && mkdir -p .gpu/whl
 pins=$(python3 - <<'PY'
 from importlib.metadata import version
-print(" ".join(f"{n}=={version(n)}" for n in ("transformers", "huggingface_hub", "tokenizers", "httpx2", "httpcore2", "truststore", "gguf")))
+print(" ".join(f"{n}=={version(n)}" for n in ("transformers", "huggingface_hub", "tokenizers", "httpx2", "httpcore2", "truststore")))
 PY
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu/whl $pins
-gguf=$(python3 -c 'from kvrag.model import bundled_gguf_path; print(bundled_gguf_path())')
-( cd .gpu/model && sha256sum "$gguf" | sed "s|  .*/|  |" > SHA256SUMS && split -n 4 -d -a 1 "$gguf" part- )
-cp "${KVRAG_SHARED:-../shared}/data/nq10_dev.jsonl" .gpu/data/
+python3 -c 'import sys; from kvrag.model import load_tokenizer; load_tokenizer(None).save_pretrained(sys.argv[1])' .gpu/tokenizer
 ls .gpu/whl
 du -sh .gpu
