@@ -2,7 +2,7 @@
 
 - `memory://?max_bytes=N&device=cuda` — in-process LRU (with `device`, kept on that device: the GPU tier)
 - `host://?max_bytes=N&pin=1` — CPU-RAM LRU, pinned for fast uploads; default cap 25% of RAM
-- `disk:///path?max_bytes=N&quantize=int8&pin=1&threads=T` — the embedded default; cap 20 GiB
+- `disk:///path?max_bytes=N&quantize=int8&pin=1&threads=T&read=map|copy` — the embedded default; cap 20 GiB
   unless given (`max_bytes=none`: no cap)
 - `redis://[:password@]host:port/db?ttl=S` (also `rediss://`) — shared by many workers
 - `tiered://?workers=W&tiers=<url>|<url>|...` — tiers fastest first, `tiers=` last (see tiered.py);
@@ -23,7 +23,7 @@ import torch
 from .redis_options import redact_url
 from .base import CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
 from .byte_store import ByteStore
-from .disk import DEFAULT_MAX_BYTES, DiskStore
+from .disk import DEFAULT_MAX_BYTES, READ_MODES, DiskStore
 from .host import HostStore
 from .memory import MemoryStore
 from .tiered import TieredStore
@@ -49,7 +49,7 @@ __all__ = [
 _OPTIONS = {
     "memory": {"max_bytes", "device"},
     "host": {"max_bytes", "pin"},
-    "disk": {"max_bytes", "quantize", "pin", "threads"},
+    "disk": {"max_bytes", "quantize", "pin", "threads", "read"},
     "tiered": {"tiers", "lower", "max_bytes", "workers"},
 }
 DEFAULT_MEMORY_BYTES = 2 << 30
@@ -85,6 +85,13 @@ def _quantize(q: dict) -> bool:
     if value not in ("none", "int8", "0", "1", "false", "true"):
         raise StoreURLError(f"quantize must be none or int8, got {value!r}")
     return value in ("int8", "1", "true")
+
+
+def _read_mode(q: dict) -> str:
+    value = q.get("read", ["auto"])[0].lower()
+    if value not in READ_MODES:
+        raise StoreURLError(f"read must be one of {', '.join(READ_MODES)}, got {value!r}")
+    return value
 
 
 def default_store_url(root: str | Path, device: str | torch.device | None = None) -> str:
@@ -174,6 +181,7 @@ def open_store(url: str | None = None, default_root: str | Path | None = None, d
             quantize=_quantize(q),
             pin=_flag(q, "pin", url),
             threads=_int(q, "threads", url),
+            read=_read_mode(q),
         )
     raise StoreError(
         f"unknown store URL scheme {scheme!r} in {redact_url(url)!r}; supported: memory://, host://, disk:///path, "

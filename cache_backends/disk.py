@@ -1,14 +1,14 @@
 """A folder of entries: hashed, sharded file names, atomic writes, parallel zero-copy reads, a size cap.
 
-Reads: each entry file is read once into its own host buffer (pinned when `pin=True` and CUDA is
-available, so the host-to-device copy that follows is a fast DMA), and the returned tensors are
-views of that buffer (see host.BufferPool for the lifetime rule: the tensors own the buffer). Every
-byte, header and data, is checked against the entry's xxh3 checksum before anything is returned. A
-request's reads are one pipeline (disk_read.ReadBatch): `threads` reader threads (default: the CPU
-count, at most 4; the caller is one of them) read the files' pieces in order with `preadv`, which
-releases the GIL, while the caller hashes each piece as soon as it lands -- so on 2 cores the
-checksum hides behind the copy out of the page cache instead of adding to it. `threads=1` reads
-and hashes on the caller alone.
+Reads, two ways, both zero-copy past the kernel and both checking every byte, header and data,
+against the entry's xxh3 checksum before anything is returned:
+- "map" (the default unless buffers are pinned; disk_map): the file's pages are mapped
+  copy-on-write and the tensors view them, so a read costs one checksum pass over the page cache.
+- "copy" (the default with `pin=True` on CUDA; disk_read.ReadBatch): each file is read once into a
+  host buffer of its own (pinned, so the host-to-device copy that follows is a fast DMA; see
+  host.BufferPool for the lifetime rule) by `threads` readers (default: the CPU count, at most 4;
+  the caller is one of them) with `preadv`, which releases the GIL, each piece hashed as it lands.
+`disk:///path?read=map|copy` chooses.
 
 Safe with several processes: every write goes to a temp file in the target folder and is renamed
 over the final name, so readers see the old file or the whole new one; two writers of one key
@@ -32,6 +32,7 @@ from typing import Sequence
 
 from .base import CorruptEntryError, StoreError, user_id_digest
 from .byte_store import ByteStore, Fetched
+from .disk_map import map_entry
 from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, read_entry  # noqa: F401 - read_entry: store admin's
 from .format import MAX_ENTRY_BYTES
 from .host import BufferPool
@@ -42,6 +43,7 @@ _TEMP = ".tmp-"
 DEFAULT_MAX_BYTES = 20 << 30
 STALE_TEMP_S = 3600.0
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+READ_MODES = ("auto", "map", "copy")
 TOUCH_S = 60.0  # a read refreshes the LRU time (mtime) at most once a minute: no inode write per read
 
 
@@ -69,8 +71,11 @@ class DiskStore(ByteStore):
         pin: bool = False,
         threads: int | None = None,
         clean_temp: bool = True,
+        read: str = "auto",
     ) -> None:
-        """`clean_temp=False` leaves stale temp files alone on open (`kvrag store` lists them first)."""
+        """`read`: "map" (tensors view the file's pages, see disk_map), "copy" (into buffers of the
+        process, pinned with `pin`: see disk_read) or "auto": copy when the buffers are pinned, else map.
+        `clean_temp=False` leaves stale temp files alone on open (`kvrag store` lists them first)."""
         super().__init__(quantize=quantize)
         self.root = Path(root).expanduser()
         self.url = url or f"disk://{self.root}"
@@ -82,6 +87,9 @@ class DiskStore(ByteStore):
             raise StoreError(f"cannot create store folder {self.root}: {exc}") from exc
         self._entries = str(self.root / "entries")
         self.buffers = BufferPool(pin=pin)
+        if read not in READ_MODES:
+            raise StoreError(f"disk store read mode must be one of {', '.join(READ_MODES)} (got {read!r})")
+        self.read = ("copy" if self.buffers.pin else "map") if read == "auto" else read
         self.threads = max(1, threads or min(4, os.cpu_count() or 1))  # readers, the caller included
         self._pool: ThreadPoolExecutor | None = None
         self.temp_cleaned = self.clean_temp() if clean_temp else 0
@@ -119,6 +127,8 @@ class DiskStore(ByteStore):
             raise
 
     def _fetch_many(self, keys: Sequence[str]) -> list[Fetched]:
+        if self.read == "map":  # one thread: the checksum pass is the only work, and it is faster alone
+            return [map_entry(self._file(k), self.max_bytes, TOUCH_S) for k in keys]
         helpers = self.threads - 1 if PARALLEL else 0
         pool = None
         if helpers and keys:
@@ -263,5 +273,5 @@ class DiskStore(ByteStore):
         return out
 
     def __repr__(self) -> str:
-        return f"DiskStore({self.root}, max_bytes={self.max_bytes}, quantize={self.quantize}, pin={self.buffers.pin})"
+        return f"DiskStore({self.root}, max_bytes={self.max_bytes}, quantize={self.quantize}, pin={self.buffers.pin}, read={self.read!r})"
 

@@ -45,7 +45,7 @@ def open_fds() -> int:
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_every_entry_comes_back_whole_in_order(tmp_path, small_pieces, threads):
-    store = DiskStore(tmp_path, threads=threads)
+    store = DiskStore(tmp_path, threads=threads, read="copy")
     keys = fill(store, 12)
     asked = keys[:5] + [content_key("absent")] + keys[5:]
     for _ in range(3):
@@ -58,7 +58,7 @@ def test_every_entry_comes_back_whole_in_order(tmp_path, small_pieces, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("where", [0.0, 0.02, 0.5, 0.999])  # header, first data piece, middle, last byte
 def test_a_flipped_byte_in_any_piece_is_a_miss(tmp_path, small_pieces, threads, where):
-    store = DiskStore(tmp_path, threads=threads)
+    store = DiskStore(tmp_path, threads=threads, read="copy")
     keys = fill(store, 4)
     path = store._path(keys[2])
     data = bytearray(path.read_bytes())
@@ -72,7 +72,7 @@ def test_a_flipped_byte_in_any_piece_is_a_miss(tmp_path, small_pieces, threads, 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_truncated_empty_garbage_and_stale_files_are_misses(tmp_path, small_pieces, threads):
-    store = DiskStore(tmp_path, threads=threads)
+    store = DiskStore(tmp_path, threads=threads, read="copy")
     keys = fill(store, 6)
     paths = [store._path(k) for k in keys]
     paths[0].write_bytes(paths[0].read_bytes()[:-1])  # one byte short
@@ -102,7 +102,7 @@ def test_a_file_that_shrinks_while_read_is_corrupt(tmp_path, small_pieces):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_header_longer_than_several_pieces(tmp_path, small_pieces, threads):
-    store = DiskStore(tmp_path, threads=threads)
+    store = DiskStore(tmp_path, threads=threads, read="copy")
     k = content_key("long")
     big = entry(meta={"note": "x" * 5500})  # the header spans six pieces
     store.put(k, big)
@@ -111,7 +111,7 @@ def test_a_header_longer_than_several_pieces(tmp_path, small_pieces, threads):
 
 
 def test_a_large_request_keeps_few_files_open(tmp_path, small_pieces):
-    store = DiskStore(tmp_path, threads=2)
+    store = DiskStore(tmp_path, threads=2, read="copy")
     keys = fill(store, 60)
     before, seen = open_fds(), []
     opener = store._open_entry
@@ -129,7 +129,7 @@ def test_a_large_request_keeps_few_files_open(tmp_path, small_pieces):
 
 
 def test_a_read_error_in_a_helper_is_raised_and_every_file_closed(tmp_path, small_pieces):
-    store = DiskStore(tmp_path, threads=2)
+    store = DiskStore(tmp_path, threads=2, read="copy")
     keys = fill(store, 8)
     store.get_many(keys)  # the helper pool exists
     before = open_fds()
@@ -173,7 +173,7 @@ def test_pieces_are_hashed_in_order_while_helpers_read_ahead(tmp_path):
 
 
 def test_concurrent_requests_share_the_helper_pool(tmp_path, small_pieces):
-    store = DiskStore(tmp_path, threads=2)
+    store = DiskStore(tmp_path, threads=2, read="copy")
     keys = fill(store, 10)
     errors = []
 
@@ -200,7 +200,7 @@ def test_read_buffers_are_recycled_without_the_garbage_collector(tmp_path, small
     """Nothing of a finished request may keep its buffers alive (a reference cycle would, until gc)."""
     import gc
 
-    store = DiskStore(tmp_path, threads=2)
+    store = DiskStore(tmp_path, threads=2, read="copy")
     keys = fill(store, 4)
     gc.disable()
     try:
@@ -214,7 +214,7 @@ def test_read_buffers_are_recycled_without_the_garbage_collector(tmp_path, small
 
 
 def test_a_closed_store_still_reads_on_the_caller(tmp_path, small_pieces):
-    store = DiskStore(tmp_path, threads=2)
+    store = DiskStore(tmp_path, threads=2, read="copy")
     keys = fill(store, 3)
     store.get_many(keys)
     store.close()  # the helper pool refuses work now

@@ -17,6 +17,7 @@ from kvrag.cache_backends import (
     HostStore,
     KVEntry,
     MemoryStore,
+    StoreError,
     StoreURLError,
     TieredStore,
     content_key,
@@ -133,8 +134,9 @@ def test_a_huge_header_length_is_rejected_without_allocating():
 
 
 # -- the disk tier ----------------------------------------------------------------------------------
-def test_disk_get_many_is_parallel_ordered_and_sets_the_tier(tmp_path):
-    store = DiskStore(tmp_path, threads=3)
+@pytest.mark.parametrize("read", ["map", "copy"])
+def test_disk_get_many_is_parallel_ordered_and_sets_the_tier(tmp_path, read):
+    store = DiskStore(tmp_path, threads=3, read=read)
     keys = [content_key(str(i)) for i in range(8)]
     for i, k in enumerate(keys):
         store.put(k, entry(seed=i))
@@ -148,8 +150,9 @@ def test_disk_get_many_is_parallel_ordered_and_sets_the_tier(tmp_path):
     assert store.stats().errors == 1 and store.stats().misses == 2 and not bad.exists()
 
 
-def test_disk_reads_an_entry_whose_header_is_longer_than_a_read_chunk(tmp_path):
-    store = DiskStore(tmp_path)
+@pytest.mark.parametrize("read", ["map", "copy"])
+def test_disk_reads_an_entry_whose_header_is_longer_than_a_read_chunk(tmp_path, read):
+    store = DiskStore(tmp_path, read=read)
     k = content_key("long")
     big = KVEntry(entry().keys, entry().values, meta={"note": "x" * (700 << 10)})
     store.put(k, big)
@@ -158,7 +161,7 @@ def test_disk_reads_an_entry_whose_header_is_longer_than_a_read_chunk(tmp_path):
 
 
 def test_disk_read_buffers_are_never_reused_while_viewed(tmp_path):
-    store = DiskStore(tmp_path)
+    store = DiskStore(tmp_path, read="copy")
     a, b = content_key("a"), content_key("b")
     store.put(a, entry(seed=1))
     store.put(b, entry(seed=2))
@@ -172,6 +175,46 @@ def test_disk_read_buffers_are_never_reused_while_viewed(tmp_path):
     store.get(b)
     store.get(b)
     assert store.buffers.reused > reused  # once nothing views a buffer, it is recycled
+
+
+def test_mapped_reads_are_the_default_off_cuda_and_outlive_their_file(tmp_path):
+    """Mapped entries view the file's pages copy-on-write: a caller writing into them leaves the file
+    alone, and they stay intact when the store replaces or deletes the file (rename, unlink)."""
+    store = DiskStore(tmp_path)
+    assert store.read == ("copy" if store.buffers.pin else "map") and "read='map'" in repr(DiskStore(tmp_path, read="map"))
+    store = DiskStore(tmp_path, read="map")
+    k = content_key("mapped")
+    store.put(k, entry(seed=1))
+    held = store.get(k)
+    held.keys.add_(1.0)  # private pages: the file keeps its bytes
+    assert same(store.get(k), entry(seed=1))
+    held = store.get(k)
+    store.put(k, entry(seed=2))  # replaced by rename
+    assert same(held, entry(seed=1)) and same(store.get(k), entry(seed=2))
+    store.delete(k)
+    assert same(held, entry(seed=1)) and store.get(k) is None
+
+
+def test_mapped_reads_refuse_damaged_files_as_misses(tmp_path):
+    store = DiskStore(tmp_path, read="map")
+    keys = [content_key(f"d{i}") for i in range(3)]
+    for i, k in enumerate(keys):
+        store.put(k, entry(seed=i))
+    store._path(keys[0]).write_bytes(b"")  # empty
+    raw = bytearray(store._path(keys[1]).read_bytes())
+    raw[-3] ^= 0x10  # one data bit
+    store._path(keys[1]).write_bytes(bytes(raw))
+    got = store.get_many(keys)
+    assert got[0] is None and got[1] is None and same(got[2], entry(seed=2))
+    assert store.stats().errors == 2
+
+
+def test_disk_read_mode_is_checked(tmp_path):
+    with pytest.raises(StoreError, match="read mode"):
+        DiskStore(tmp_path, read="fast")
+    with pytest.raises(StoreURLError, match="read must be"):
+        open_store(f"disk://{tmp_path}?read=fast")
+    assert open_store(f"disk://{tmp_path}?read=copy").read == "copy"
 
 
 def test_buffer_pool_hands_out_exact_sizes_and_skips_busy_buffers():

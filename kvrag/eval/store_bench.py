@@ -4,8 +4,10 @@ the load share of TTFT.
 Tier figures (`tier_bandwidth`) use random entries of SmolLM2-135M's shape (30 layers x 3 KV heads
 x 150 tokens x 64 dims, fp32 keys and values: 6.9 MB an entry, 10 entries), so they need no model:
 memory, host and disk (warm page cache, the steady state of a serving store) `get_many` -- the disk
-tier with its default reader threads (the CPU count, at most 4: each entry read into its own buffer
-and every piece hashed as it lands, see cache_backends/disk_read.py) and with one thread -- next to
+tier mapping its files (the default off CUDA: one checksum pass over the page cache, see
+cache_backends/disk_map.py) and copying them (the default into pinned buffers on CUDA: each entry
+read into its own buffer by the default reader threads, the CPU count at most 4, and by one, every
+piece hashed as it lands, see cache_backends/disk_read.py) -- next to
 a plain read of the same files into one reused buffer (the machine's read speed, single thread, no
 check; the `x plain read` column divides by it), the same read into a buffer per file (what any
 reader that hands back each entry in memory of its own pays before any check), the one-buffer
@@ -118,9 +120,15 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
     keys = list(entries)
     payload = sum(e.nbytes for e in entries.values())
     cuda = torch.cuda.is_available()
-    disk = DiskStore(Path(out_dir) / "tier-disk", max_bytes=None, pin=cuda)
-    alt = 2 if disk.threads == 1 else 1  # the default thread count beside another
-    disk1 = DiskStore(Path(out_dir) / "tier-disk", max_bytes=None, pin=cuda, threads=alt)
+    root = Path(out_dir) / "tier-disk"
+    disk = DiskStore(root, max_bytes=None, pin=cuda)  # the default: mapped on the CPU, copied into pinned buffers on CUDA
+    threads = disk.threads
+    readers = {
+        "map": DiskStore(root, max_bytes=None, pin=cuda, read="map"),
+        f"copy, {threads} thread{'s' * (threads > 1)}": DiskStore(root, max_bytes=None, pin=cuda, read="copy"),
+    }
+    if threads > 1:
+        readers["copy, 1 thread"] = DiskStore(root, max_bytes=None, pin=cuda, read="copy", threads=1)
     host, memory = HostStore(pin=cuda), MemoryStore()
     for key, entry in entries.items():
         for store in (disk, host, memory):
@@ -130,8 +138,12 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
     fns: dict[str, Callable[[], Any]] = {
         "memory get_many": lambda: memory.get_many(keys),
         "host get_many": lambda: host.get_many(keys),
-        f"disk get_many (default: {disk.threads} thread{'s' * (disk.threads > 1)})": lambda: disk.get_many(keys),
-        f"disk get_many ({alt} thread{'s' * (alt > 1)})": lambda: disk1.get_many(keys),
+        **{
+            f"disk get_many, {how}" + (" (default)" if store.read == disk.read and (how == "map" or store.threads == threads) else ""): (
+                lambda store=store: store.get_many(keys)
+            )
+            for how, store in readers.items()
+        },
         "plain file read": plain_read(paths),
         "plain file read, a buffer per file": plain_read_per_file(paths),
         "plain file read + xxh3": plain_read_hashed(paths),
@@ -158,14 +170,15 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
     plain = next(r["gb_s"] for r in rows if r["path"] == "plain file read")
     for r in rows:
         r["vs_plain_read"] = r["gb_s"] / plain
-    disk.close()
-    disk1.close()
+    for store in (disk, *readers.values()):
+        store.close()
     return {
         "entries": len(keys),
         "entry_shape": list(next(iter(entries.values())).keys.shape),
         "entry_mb": file_bytes / len(keys) / 1e6,
         "cpus": os.cpu_count(),
-        "disk_threads": disk.threads,
+        "disk_threads": threads,
+        "disk_default_read": disk.read,
         "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "cuda": torch.cuda.get_device_name(0) if cuda else None,
         "rows": rows,
