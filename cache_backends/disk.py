@@ -30,11 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from .base import CorruptEntryError, StoreError, user_id_digest
+from .base import StoreError, user_id_digest
 from .byte_store import ByteStore, Fetched
 from .disk_map import map_entry
-from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, read_entry  # noqa: F401 - read_entry: store admin's
-from .format import MAX_ENTRY_BYTES
+from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, open_entry_file, read_entry  # noqa: F401 - read_entry: store admin's
 from .host import BufferPool
 
 log = logging.getLogger(__name__)
@@ -42,7 +41,6 @@ _SUFFIX = ".kv"
 _TEMP = ".tmp-"
 DEFAULT_MAX_BYTES = 20 << 30
 STALE_TEMP_S = 3600.0
-_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 READ_MODES = ("auto", "map", "copy")
 TOUCH_S = 60.0  # a read refreshes the LRU time (mtime) at most once a minute: no inode write per read
 
@@ -107,23 +105,14 @@ class DiskStore(ByteStore):
         """Open the entry file of `key` for a ReadBatch: the open file with a buffer of its size, or
         the answer already (a miss, or a file too large to be an entry)."""
         path = self._file(key)
+        opened = open_entry_file(path, self.max_bytes)
+        if not isinstance(opened[0], int):
+            return opened  # type: ignore[return-value]
+        fd, st = opened
         try:
-            fd = os.open(path, _O_FLAGS)
-        except (FileNotFoundError, NotADirectoryError):
-            return None, 0
-        except OSError as exc:
-            raise StoreError(f"cannot read {path}: {exc}") from exc
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if size > MAX_ENTRY_BYTES or (self.max_bytes is not None and size > self.max_bytes):
-                os.close(fd)
-                return CorruptEntryError(f"entry file of {size} bytes is larger than any valid entry"), 0
-            return EntryFile(index, path, fd, self.buffers.take(size), touch=time.time() - st.st_mtime > TOUCH_S)
-        except BaseException as exc:
+            return EntryFile(index, path, fd, self.buffers.take(st.st_size), touch=time.time() - st.st_mtime > TOUCH_S)
+        except BaseException:
             os.close(fd)
-            if isinstance(exc, OSError):
-                raise StoreError(f"cannot read {path}: {exc}") from exc
             raise
 
     def _fetch_many(self, keys: Sequence[str]) -> list[Fetched]:

@@ -28,25 +28,19 @@ import torch
 
 from .base import CorruptEntryError, StoreError
 from .byte_store import Fetched
-from .format import MAX_ENTRY_BYTES, decode_entry
-
-_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+from .disk_read import open_entry_file
+from .format import decode_entry
 
 
 def map_entry(path: str, max_bytes: int | None = None, touch_after_s: float | None = None) -> Fetched:
     """Map, verify and decode the entry file at `path`: (entry, bytes), (CorruptEntryError, bytes) or
     (None, 0) for a missing file. Touches the mtime (LRU) when it is older than `touch_after_s`."""
+    opened = open_entry_file(path, max_bytes)
+    if not isinstance(opened[0], int):
+        return opened  # type: ignore[return-value]
+    fd, st = opened
+    size = st.st_size
     try:
-        fd = os.open(path, _O_FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
-        return None, 0
-    except OSError as exc:
-        raise StoreError(f"cannot read {path}: {exc}") from exc
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-        if size > MAX_ENTRY_BYTES or (max_bytes is not None and size > max_bytes):
-            return CorruptEntryError(f"entry file of {size} bytes is larger than any valid entry"), 0
         if size == 0:
             return CorruptEntryError("empty entry file"), 0
         try:

@@ -39,12 +39,35 @@ import torch
 
 from .base import CorruptEntryError, StoreError
 from .byte_store import Fetched
-from .format import MAX_HEADER_BYTES, PreparedEntry, checksum_start, finish_entry, parse_header, prepare_entry
+from .format import MAX_ENTRY_BYTES, MAX_HEADER_BYTES, PreparedEntry, checksum_start, finish_entry, parse_header, prepare_entry
 
 PIECE = 1 << 20  # the unit a thread claims and hashes: large enough to keep locking rare, small enough to stay in cache
 FIRST = 64 << 10  # an entry's first piece: enough for its header
 WINDOW = 8  # entries a thread opens and prepares in one go (fewer when fewer are left per thread)
 PARALLEL = hasattr(os, "preadv")  # positional reads: several threads can read one file at once
+
+
+_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_entry_file(path: str, max_bytes: int | None = None) -> tuple[int, os.stat_result] | Fetched:
+    """Open an entry file for reading: (fd, its stat), or the answer already -- (None, 0) for a
+    missing file, (CorruptEntryError, 0) for one larger than any entry. Unreadable: StoreError."""
+    try:
+        fd = os.open(path, _O_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, 0
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise StoreError(f"cannot read {path}: {exc}") from exc
+    if st.st_size > MAX_ENTRY_BYTES or (max_bytes is not None and st.st_size > max_bytes):
+        os.close(fd)
+        return CorruptEntryError(f"entry file of {st.st_size} bytes is larger than any valid entry"), 0
+    return fd, st
 
 
 def pread_into(fd: int, view: memoryview, start: int, stop: int) -> int:

@@ -11,7 +11,8 @@ import torch
 
 from kvrag.cache_backends import DiskStore, StoreError
 from kvrag.cache_backends.base import CorruptEntryError, check_key
-from kvrag.cache_backends.disk import _O_FLAGS, _SUFFIX, _TEMP, read_entry
+from kvrag.cache_backends.disk import _SUFFIX, _TEMP, read_entry
+from kvrag.cache_backends.disk_read import _O_FLAGS
 from kvrag.cache_backends.format import MAX_HEADER_BYTES, header_length
 from kvrag.store_admin.base import EntryInfo, Link, StoreAdmin, TempFile, damage_of
 from kvrag.store_admin.base import HEAD_BYTES, _as_tensor, _header_meta
