@@ -179,6 +179,7 @@ class DecodeState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     echoed: str = ""  # leading lines that only repeated a chunk header, left out of the answer
+    setup_s: float = 0.0  # the static decoder's one-time set-up (room, graph capture), inside the decode time
 
 
 class EagerStep:
@@ -235,6 +236,7 @@ def stream_tokens(
         yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position, headers)
     finally:  # also when the stream is abandoned: the cache reads as decoded so far
         forward.close()
+        state.setup_s = getattr(forward.step, "setup_s", 0.0)
 
 
 class LazyStep:

@@ -243,4 +243,5 @@ class RequestPipeline:
         pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
         pre.stats.decode_s = clock(self.lm.device) - t
         pre.stats.generated_tokens = len(state.token_ids)
+        pre.stats.decode_setup_s = state.setup_s
         pre.stats.echoed_header = state.echoed.strip()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
@@ -138,6 +139,7 @@ class StaticDecoder:
         """`steps`: the most forwards this decode can take (the capacity is made to hold them)."""
         if not supports(cache):
             raise ValueError("this cache cannot be decoded statically (layers of different lengths, or a batch)")
+        t = time.perf_counter()
         self.cache = cache
         self.start = cache.layers[0].keys.shape[-2]
         self.buffers = [_room(layer, self.start + steps) for layer in cache.layers]
@@ -148,6 +150,9 @@ class StaticDecoder:
         self._graph: Any = None  # torch.cuda.CUDAGraph once captured
         self._out: torch.Tensor | None = None
         self.replays = 0  # steps served by replaying the graph (tests read it: the capture did not fall back)
+        # the one-time cost before the first step: the static room, and on CUDA the graph's warm-up and
+        # capture (synchronised, so it includes the room's copy on the device); `AnswerStats.decode_setup_s`
+        self.setup_s = time.perf_counter() - t
 
     @property
     def captured(self) -> bool:
@@ -167,12 +172,15 @@ class StaticDecoder:
 
     def _replay(self) -> torch.Tensor:
         if self._graph is None:
+            t = time.perf_counter()
             try:
                 self._out = self._capture()
             except RuntimeError as err:  # e.g. a rope variant that syncs on the host: decode eagerly instead
                 log.warning("CUDA graph capture failed (%s); decoding this answer without a graph", err)
                 self.graph = False
                 return self.step.run()
+            finally:
+                self.setup_s += time.perf_counter() - t
         self._graph.replay()
         self.replays += 1
         assert self._out is not None
@@ -199,6 +207,7 @@ class StaticDecoder:
         # thread_local: other threads (store loads, other engines) may use CUDA while this one captures
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self.step.run()
+        torch.cuda.synchronize(device)  # the set-up's time is the device's too
         self._graph = graph
         return out
 

@@ -28,6 +28,7 @@ class AnswerStats:
     recompute_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_setup_s: float = 0.0  # inside decode_s: the static decoder's room and (CUDA) graph capture, once per answer
     prompt_tokens: int = 0
     context_tokens: int = 0
     question_tokens: int = 0

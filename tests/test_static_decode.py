@@ -88,6 +88,8 @@ def test_answer_through_the_pipeline_is_the_same_with_static_on(rag):
     kw = dict(method="cacheblend", max_new_tokens=20, stop_at="none", temperature=0.7, seed=1)
     eager, static = rag.answer(THREE_Q, THREE_IDS, static=False, **kw), rag.answer(THREE_Q, THREE_IDS, static=True, **kw)
     assert (static.text, static.stats.generated_tokens, static.stats.kv_bytes) == (eager.text, eager.stats.generated_tokens, eager.stats.kv_bytes)
+    # the static decoder's one-time set-up is reported inside the decode time; the growing cache has none
+    assert 0 < static.stats.decode_setup_s < static.stats.decode_s and eager.stats.decode_setup_s == 0
 
 
 def test_the_step_never_syncs_with_the_host_and_hides_only_the_unused_room(rag):

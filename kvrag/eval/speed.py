@@ -143,14 +143,14 @@ def _timed(rag: KVRag, chunks: Sequence[Chunk], v: _Variant) -> _Timing:
     )
 
 
-def _decode_rate(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, tokens: int) -> tuple[float, int]:
-    """Tokens/s of decoding `tokens` tokens after this setting's prefill (and how many came: a
-    random-weight model may hit an end token first)."""
+def _decode_rate(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, tokens: int) -> tuple[float, int, float]:
+    """Tokens/s of decoding `tokens` tokens after this setting's prefill, how many came (a
+    random-weight model may hit an end token first) and the seconds of its one-time set-up."""
     st = v.setting
     with _layerwise(rag, v.layerwise):
         ans = rag.answer(QUESTION, chunks=list(chunks), method=st.method, recompute_ratio=st.ratio,
                          max_new_tokens=tokens, stop_at="none", **dict(st.params))
-    return ans.stats.decode_tokens_per_s, ans.stats.generated_tokens
+    return ans.stats.decode_tokens_per_s, ans.stats.generated_tokens, ans.stats.decode_setup_s
 
 
 def _variants(settings: Sequence[Setting], opts: SweepOptions) -> list[_Variant]:
@@ -212,7 +212,7 @@ def speed_sweep(
             for part in ts[0].parts:
                 row[part] = statistics.median(t.parts[part] for t in ts)
             if opts.decode_tokens:
-                row["decode_tok_s"], row["decoded_tokens"] = _decode_rate(rag, chunks, v, opts.decode_tokens)
+                row["decode_tok_s"], row["decoded_tokens"], row["decode_setup_s"] = _decode_rate(rag, chunks, v, opts.decode_tokens)
                 bar.update(1)
             rows.append(row)
     bar.close()
@@ -229,12 +229,14 @@ def load_share(row: dict[str, Any]) -> float:
 def speed_markdown(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         "| context tokens | setting | TTFT ms | Full ÷ setting | load ms | stitch ms | select ms | recompute + question ms | "
-        "load share | KV MB | peak GPU MB | decode tok/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "load share | KV MB | peak GPU MB | decode tok/s (set-up ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         gpu = "–" if r.get("peak_gpu_mb") is None else f"{r['peak_gpu_mb']:.0f}"
         dec = f"{r['decode_tok_s']:.0f}" if r.get("decode_tok_s") else "–"
+        if r.get("decode_tok_s") and r.get("decode_setup_s") is not None:
+            dec += f" ({r['decode_setup_s'] * 1000:.0f})"
         lines.append(
             f"| {r['context_tokens']} | {r['setting']} | {r['ttft_s'] * 1000:.0f} | {r['full_ratio']:.1f}× | {r['load_s'] * 1000:.0f} | "
             f"{r['stitch_s'] * 1000:.0f} | {r['select_s'] * 1000:.0f} | {r['recompute_s'] * 1000:.0f} | {load_share(r):.0%} | "
