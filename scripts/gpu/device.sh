@@ -8,6 +8,7 @@
 #
 #   bash scripts/gpu/device.sh tests; bash scripts/gpu/device.sh gate; bash scripts/gpu/device.sh store;
 #   bash scripts/gpu/device.sh speed 8b 'host://?pin=1'      (STORE: memory:// | host://?pin=1 | disk | default)
+#   bash scripts/gpu/device.sh speed 8b disk light           (reuse + epic only: fits one call beside others)
 #
 # Random-weight shapes need only a tokenizer, so no call carries the 98 MB GGUF. What comes back
 # lies in $OUT (at most 8 files a call, 16 MB each). Every timing there is CUDA-synchronised.
@@ -52,14 +53,17 @@ gate() {  # issue #22: the gate in bf16 at 1B-8B shapes (random weights)
   done
 }
 
-speed() {  # issues #20/#22: TTFT vs context, layer-wise loading on and off, decode rate; ARG: 8b|1b STORE
-  local shape=$1 store=${2:-memory://} name
+speed() {  # issues #20/#22: TTFT vs context, layer-wise loading on and off, decode rate; ARGS: 8b|1b STORE [light]
+  # light: reuse and epic only, loading as the default picks, no decode (~1/3 of the time): a store
+  # beside the host tier's full run, inside one call's 10 minutes
+  local shape=$1 store=${2:-memory://} light=${3:-} name methods=reuse,epic,cacheblend,samkv extra="--layerwise both --decode-tokens 64"
   case $shape in 8b) shape=llama-3.1-8b ;; 1b) shape=llama-3.2-1b ;; esac
   name=$(echo "$shape-$store" | tr -c 'a-zA-Z0-9.\n-' '_' | sed 's/_*$//')
   [ "$store" = disk ] && store="disk://$W/kv-$shape?pin=1"
   [ "$store" = default ] && store=""
+  [ "$light" = light ] && { methods=reuse,epic; extra=""; name="$name-light"; }
   kvrag bench speed --model "$W/tokenizer" ${store:+--store "$store"} --shape "$shape" --random-weights --device cuda --dtype bfloat16 --contexts 4k,8k,16k,32k \
-    --chunk-tokens 512 --methods reuse,epic,cacheblend,samkv --repeats 3 --layerwise both --decode-tokens 64 \
+    --chunk-tokens 512 --methods "$methods" --repeats 3 $extra \
     --out "$W/speed-$name" 2>&1 | tail -40
   cp "$W/speed-$name/speed.md" "$OUT/$name.md"; cp "$W/speed-$name/speed.json" "$OUT/$name.json"
 }
@@ -68,7 +72,7 @@ store() {  # issue #22: each tier's read bandwidth beside plain reads and host-t
   py -m kvrag.eval.store_bench "$W/store" --tiers-only --rounds 30 2>&1 | tee "$OUT/store-tiers.md" | tail -15
 }
 
-step=${1:?usage: device.sh setup|tests|gate|store|speed 8b|1b STORE}
+step=${1:?usage: device.sh setup|tests|gate|store|speed 8b|1b STORE [light]}
 shift
 case $step in
   setup) setup ;;
