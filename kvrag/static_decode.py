@@ -189,24 +189,35 @@ class StaticDecoder:
     def _capture(self) -> torch.Tensor:
         """Capture `StaticStep.run` (GPU only; never run by the CPU tests). The warm-up runs compute this
         very step (same inputs, same slot), so the replay that follows rewrites the same K/V. Once per
-        answer: the graph holds this answer's buffers. Capture syncs the device and empties the
-        allocator's cache (torch.cuda.graph does): a fixed cost per answer that only enough replays
-        repay (not measured here: this machine has no GPU)."""
+        answer: the graph holds this answer's buffers (`decode_setup_s` says what that costs)."""
         with _CAPTURE_LOCK:
             return self._capture_now()
 
     def _capture_now(self) -> torch.Tensor:
+        """Warm up and capture on a side stream with CUDAGraph's own begin/end. Not `torch.cuda.graph`:
+        on entering, it synchronises the device and empties the device's caching allocator and (torch
+        2.13) the pinned host one, so after every answer the store's next pinned read buffers would be
+        page-locked afresh (cudaHostAlloc, ~GB/s), and older torch versions run gc.collect() there too.
+        The CUDA tests (tests/test_cuda.py) check the replayed tokens against eager decoding."""
         device = self.step.token.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             for _ in range(self.WARMUP):
                 self.step.run()
+            # thread_local: other threads (store loads, other engines) may use CUDA while this one captures
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = self.step.run()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:  # the capture was invalidated by what failed: nothing to end
+                    pass
+                raise
+            graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (store loads, other engines) may use CUDA while this one captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self.step.run()
         torch.cuda.synchronize(device)  # the set-up's time is the device's too
         self._graph = graph
         return out
