@@ -464,11 +464,14 @@ def test_disk_reads_racing_overwrites_and_deletes_see_whole_versions(tmp_path, r
                 store.delete(k)
             i += 1
 
+    store.put(k, versions[0])
     writer = threading.Thread(target=churn)
     writer.start()
-    held, seen = [], 0
+    held, seen, reads = [], 0, 0
+    deadline = time.monotonic() + 5
     try:
-        for _ in range(300):
+        while (seen < 100 or reads < 300) and time.monotonic() < deadline:  # a miss is fast: read on until enough hits
+            reads += 1
             got = store.get(k)
             if got is not None:
                 seen += 1
