@@ -185,6 +185,8 @@ class DecodeState:
 class EagerStep:
     """The growing-cache forward: the new token's K/V appended to `cache` (a SpliceCache writes into its room)."""
 
+    setup_s = 0.0  # nothing to set up: the cache grows as it goes
+
     def __init__(self, lm: LoadedModel, cache: Any) -> None:
         self.lm, self.cache = lm, cache
 
@@ -236,7 +238,7 @@ def stream_tokens(
         yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position, headers)
     finally:  # also when the stream is abandoned: the cache reads as decoded so far
         forward.close()
-        state.setup_s = getattr(forward.step, "setup_s", 0.0)
+        state.setup_s = forward.step.setup_s if forward.step is not None else 0.0
 
 
 class LazyStep:

@@ -171,6 +171,19 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, convert_cache: bool) -> tuple[Any
     return model.to(dtype), tok
 
 
+def _gguf_source(source: str | os.PathLike | None) -> tuple[Path, str] | None:
+    """The GGUF file `source` names and the model's name: the bundled model's for None / "bundled",
+    a local .gguf file's; None for a Hugging Face id or folder."""
+    if source is None or str(source) in ("bundled", BUNDLED_NAME):
+        return bundled_gguf_path(), BUNDLED_NAME
+    if str(source).endswith(".gguf"):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return path, str(path)
+    return None
+
+
 def load_model(
     source: str | os.PathLike | None = None,
     *,
@@ -184,15 +197,10 @@ def load_model(
 
     torch_dtype = resolve_dtype(dtype, device)
     try:
-        if source is None or str(source) in ("bundled", BUNDLED_NAME):
-            model, tok = _load_gguf(bundled_gguf_path(), torch_dtype, convert_cache)
-            name = BUNDLED_NAME
-        elif str(source).endswith(".gguf"):
-            path = Path(source).expanduser()
-            if not path.is_file():
-                raise ModelLoadError(f"GGUF file not found: {path}")
+        gguf = _gguf_source(source)
+        if gguf is not None:
+            path, name = gguf
             model, tok = _load_gguf(path, torch_dtype, convert_cache)
-            name = str(path)
         else:
             name = str(source)
             tok = AutoTokenizer.from_pretrained(name, **hf_kwargs)
@@ -214,15 +222,13 @@ def load_tokenizer(source: str | os.PathLike | None = None, **hf_kwargs: Any) ->
     from transformers import AutoTokenizer
 
     try:
-        if source is None or str(source) in ("bundled", BUNDLED_NAME) or str(source).endswith(".gguf"):
-            gguf = bundled_gguf_path() if source is None or str(source) in ("bundled", BUNDLED_NAME) else Path(source).expanduser()
-            if not gguf.is_file():
-                raise ModelLoadError(f"GGUF file not found: {gguf}")
-            converted = _converted_gguf_dir(gguf)
-            if (converted / "tokenizer_config.json").exists():
-                return AutoTokenizer.from_pretrained(converted)
-            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        return AutoTokenizer.from_pretrained(str(source), **hf_kwargs)
+        gguf = _gguf_source(source)
+        if gguf is None:
+            return AutoTokenizer.from_pretrained(str(source), **hf_kwargs)
+        converted = _converted_gguf_dir(gguf[0])
+        if (converted / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(converted)
+        return AutoTokenizer.from_pretrained(gguf[0].parent, gguf_file=gguf[0].name)
     except ModelLoadError:
         raise
     except (OSError, ValueError) as exc:

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from kvrag.engine import KVRag
 from kvrag.eval.runner import Setting
 from kvrag.model_shapes import random_model, shape_config, shape_names  # noqa: F401 - the bench's names for them
-from kvrag.types import Chunk
+from kvrag.types import AnswerStats, Chunk
 
 QUESTION = "Which places, people and dates does the text mention, and what happened there?"
 RANDOM_WEIGHTS_NOTE = "random weights: figures are for time and memory only, never quality"
@@ -143,14 +143,14 @@ def _timed(rag: KVRag, chunks: Sequence[Chunk], v: _Variant) -> _Timing:
     )
 
 
-def _decode_rate(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, tokens: int) -> tuple[float, int, float]:
-    """Tokens/s of decoding `tokens` tokens after this setting's prefill, how many came (a
-    random-weight model may hit an end token first) and the seconds of its one-time set-up."""
+def _decode_stats(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, tokens: int) -> AnswerStats:
+    """The stats of one answer decoding `tokens` tokens after this setting's prefill: its decode rate,
+    the tokens that came (a random-weight model may hit an end token first), its one-time set-up."""
     st = v.setting
     with _layerwise(rag, v.layerwise):
         ans = rag.answer(QUESTION, chunks=list(chunks), method=st.method, recompute_ratio=st.ratio,
                          max_new_tokens=tokens, stop_at="none", **dict(st.params))
-    return ans.stats.decode_tokens_per_s, ans.stats.generated_tokens, ans.stats.decode_setup_s
+    return ans.stats
 
 
 def _variants(settings: Sequence[Setting], opts: SweepOptions) -> list[_Variant]:
@@ -212,7 +212,8 @@ def speed_sweep(
             for part in ts[0].parts:
                 row[part] = statistics.median(t.parts[part] for t in ts)
             if opts.decode_tokens:
-                row["decode_tok_s"], row["decoded_tokens"], row["decode_setup_s"] = _decode_rate(rag, chunks, v, opts.decode_tokens)
+                dec = _decode_stats(rag, chunks, v, opts.decode_tokens)
+                row.update(decode_tok_s=dec.decode_tokens_per_s, decoded_tokens=dec.generated_tokens, decode_setup_s=dec.decode_setup_s)
                 bar.update(1)
             rows.append(row)
     bar.close()

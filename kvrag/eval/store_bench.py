@@ -139,7 +139,7 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
         "memory get_many": lambda: memory.get_many(keys),
         "host get_many": lambda: host.get_many(keys),
         **{
-            f"disk get_many, {how}" + (" (default)" if store.read == disk.read and (how == "map" or store.threads == threads) else ""): (
+            f"disk get_many, {how}" + (" (default)" if (store.read, store.threads) == (disk.read, threads) else ""): (
                 lambda store=store: store.get_many(keys)
             )
             for how, store in readers.items()
