@@ -18,7 +18,7 @@ from kvrag.cli_types import link_adapter_arg, positive_int, ratio_or_auto
 from kvrag.decode import STOP_RULES
 from kvrag.eval.speed import LAYERWISE_CHOICES
 from kvrag.errors import KVRagError
-from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT, RATIO_FREE, TUNED_METHOD
+from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT, RATIO_FREE, TUNED_METHOD
 from kvrag.samples import sample_corpus_dir, sample_questions
 
 DEFAULT_K = 5
@@ -45,8 +45,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
     p.add_argument("--collection", default="kvrag_chunks", help="chroma collection under $KVRAG_HOME/chroma")
     p.add_argument("--link-adapter", default="auto", type=link_adapter_arg,
-                   help="auto: the tuned adapter shipped for the bundled model (its weights, kvlink by default); "
-                        "links: only its link embeddings (base weights); none: the base weights; or an adapter file")
+                   help="auto/links: the link embeddings shipped for the model (base weights); tuned: the shipped "
+                        "reuse-tuned LoRA on kvlink's fast path (kvlink by default; Full Attention stays the base "
+                        "weights); none: no adapter; or an adapter file")
 
 
 def _server_option(p: argparse.ArgumentParser) -> None:
@@ -78,8 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     _server_option(ask)
     ask.add_argument("question")
     ask.add_argument("--method", default=None,
-                     help=f"full, reuse, ... (see `kvrag methods`; default: {TUNED_METHOD} over a tuned model, else {DEFAULT_METHOD})")
+                     help=f"full, reuse, ... (see `kvrag methods`; default: {DEFAULT_METHOD}, or {TUNED_METHOD} with --link-adapter tuned)")
     ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
+    ask.add_argument("--min-recompute", type=int, default=None, metavar="TOKENS",
+                     help=f"chunk tokens recomputed at least; chunks holding no more are read with Full Attention (0: off; default {DEFAULT_MIN_RECOMPUTE})")
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64)
@@ -129,6 +132,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                        help="a model variant with this KVLink adapter, for settings that say model=NAME "
                        "(e.g. --adapter lora5=a.safetensors --methods kvlink:link_tokens=5,model=lora5 --ratios 0)")
+
+    ev = sub.add_parser("eval", help="evaluation suites: `eval suite` decides the default on several kinds of data")
+    ev.add_argument("suite", choices=("suite",), help="suite: every set at two answer lengths, the rule applied (README Defaults)")
+    ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md, suite.json, suite.png")
+    ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
+    ev.add_argument("--sets", default="sample,facts,facts-one,nq10,facts-long,musique,kv75", help="which sets, comma-separated")
+    ev.add_argument("--lengths", default="16,64", help="answer lengths in new tokens, comma-separated")
+    ev.add_argument("--n", type=int, default=None, help="questions per set (default: each set's own size)")
+    ev.add_argument("--tuned", default="shipped", help="the reuse-tuned adapter to judge: shipped (the packaged one), a file, or none")
+    ev.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+    ev.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv)")
+    ev.add_argument("--device", default="auto")
 
     from kvrag.check import add_check_model_parser
 
@@ -312,6 +327,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         stop_at=args.stop_at,
+        min_recompute=args.min_recompute,
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
         **dict(params),
     )
@@ -404,6 +420,12 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvrag.eval.commands import cmd_eval_suite
+
+    return cmd_eval_suite(args)
+
+
 def cmd_bench_deviation(args: argparse.Namespace) -> int:
     from kvrag.eval.commands import cmd_bench_deviation as deviation
 
@@ -422,6 +444,7 @@ COMMANDS = {
     "quickstart": cmd_quickstart,
     "methods": cmd_methods,
     "bench": cmd_bench,
+    "eval": cmd_eval,
     "serve": lambda args: _serve(args),
     "store": lambda args: _store(args),
 }

@@ -35,11 +35,11 @@ def ratio_or_auto(text: str) -> float | str:
 
 
 def link_adapter_arg(text: str) -> str | None:
-    """`--link-adapter`: auto, links, none (the base weights: None) or an adapter file that exists."""
+    """`--link-adapter`: auto, links, tuned, none (None) or an adapter file that exists."""
     if names_no_adapter(text):
         return None
     if text in SHIPPED_SPECS:
         return text
     if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"expected auto, links, none or an adapter file, got {text!r} (no such file)")
+        raise argparse.ArgumentTypeError(f"expected auto, links, tuned, none or an adapter file, got {text!r} (no such file)")
     return text

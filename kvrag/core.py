@@ -133,8 +133,12 @@ class KVRagCore:
         if isinstance(chunk_ids, (str, bytes)):
             raise TypeError(f"chunk_ids must be a list of ids, not one string ({chunk_ids!r}): pass [{chunk_ids!r}]")
         opts = self._options(options, kwargs)
-        resolved = self.repo.lookup(chunk_ids, chunks, allow_empty)
-        if opts.kv_kind == KIND_CHUNK and not opts.resolved_method().full_attention:
+        return self._prefill_resolved(question, self.repo.lookup(chunk_ids, chunks, allow_empty), opts)
+
+    def _prefill_resolved(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
+        """`prefill` once the request's chunks are resolved (`KVRag` routes kvlink to its adapter's weights here)."""
+        n_context = sum(len(ids) for ids in resolved.token_ids)
+        if opts.kv_kind == KIND_CHUNK and not opts.resolved_method().full_attention and n_context > opts.min_recompute_tokens():
             self.repo.read_ahead(resolved)  # outside the model lock: see KVRepository.read_ahead
         return self.pipeline.prefill(question, resolved, opts)
 

@@ -1,11 +1,15 @@
 """KVRag: the engine users hold. Model preparation (link adapters, the correctness gate) on top of
-`KVRagCore`, whose two rooms hold the rest: the KV repository and the request pipeline."""
+`KVRagCore`, whose two rooms hold the rest: the KV repository and the request pipeline.
+
+Full Attention is always the base model: a link adapter that changes weights (LoRA) is served on
+kvlink's fast path only, by a second core over a merged copy (its own fingerprint, so its own chunk
+KV) that shares every untouched parameter with the base model."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping, Sequence
 
 
 from kvrag.cache_backends import KVStore
@@ -16,7 +20,9 @@ from kvrag.links import SHIPPED_SPECS, LinkAdapter, apply_adapter, check_adapter
 from kvrag.model import LoadedModel, load_model
 from kvrag.options import CHUNK_KINDS, DEFAULT_METHOD, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY, TUNED_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill
+from kvrag.repository import Resolved
 from kvrag.repository import PrecomputeReport
+from kvrag.types import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -44,31 +50,33 @@ class KVRag(KVRagCore):
         batch_size: int = 8,
         check: bool = True,
         link_adapter: str | Path | LinkAdapter | None = "auto",
-        *,
-        _adapter_in_place: bool = False,
         **layout_kwargs: Any,
     ) -> None:
         """`check=True` runs the per-model correctness gate (`kvrag.check.gate`) once per model
         fingerprint and device type (its verdict is cached under $KVRAG_HOME/checks) and raises
         UnsupportedModelError, naming the failing check, for a model kvrag cannot serve exactly.
 
-        `link_adapter`: the KVLink adapter, and with it the weights served.
-        - "auto" (default): the adapter shipped for this model, if one fits it and the layout: for the
-          bundled SmolLM2 the tuned one (LoRA, K = 5), whose weights are merged in and whose
-          `method="kvlink"` becomes the default method; else the shipped links-only one; else none.
-        - "links": only the shipped links-only adapter (the base weights; kvlink uses its links).
-        - None (or "none", as on the command line): no adapter, the base weights (default method cacheblend).
+        `link_adapter`: the KVLink adapter `method="kvlink"` uses.
+        - "auto" (default): the links-only adapter shipped for this model, if one fits it and the
+          layout (the base weights; the default method stays the training-free DEFAULT_METHOD, which
+          the suite evaluation chose: README "Defaults");
+        - "links": the same, and nothing else;
+        - "tuned": the shipped reuse-tuned adapter (LoRA, K = 5) on kvlink's fast path, else none;
+        - None (or "none", as on the command line): no adapter;
         - a path or a `LinkAdapter`: that adapter, checked against this model and layout
           (AdapterMismatchError otherwise).
-        An adapter with LoRA or full weights changes the model: the engine serves a merged copy (every
-        method, Full Attention included, with its own fingerprint and caches), and kvlink is its default."""
+        An adapter with LoRA or full weights never changes what the other methods read: kvlink
+        answers over a merged copy of the weights (its own fingerprint and chunk KV, `stats.weights
+        == "adapter"`), every other method, Full Attention included, over the base weights; kvlink
+        is then the default method, since the caller asked for the adapter."""
         layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
         adapter = _choose_adapter(link_adapter, lm, layout)
-        if adapter is not None:
-            lm = apply_adapter(lm, adapter, inplace=_adapter_in_place)
         self._link_adapter = adapter
         self.check_report = gate(lm) if check else None
         super().__init__(lm, store=store, layout=layout, batch_size=batch_size)
+        self._fast: _AdapterPath | None = None
+        if adapter is not None and adapter.changes_model:
+            self._fast = _AdapterPath(apply_adapter(lm, adapter), self, adapter)
 
     @classmethod
     def from_pretrained(
@@ -86,30 +94,99 @@ class KVRag(KVRagCore):
         `device`: "auto" (CUDA when a GPU is there, else CPU), "cuda", "cuda:N" or "cpu". `dtype`:
         "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16" or "float32". Stored
         entries record their dtype and are cast to the engine's on load. `check=False` skips the
-        per-model correctness gate (see `KVRag.__init__`). `link_adapter`: the KVLink adapter (see
-        `KVRag.__init__`); one with LoRA/full weights is merged into the freshly loaded model.
+        per-model correctness gate (see `KVRag.__init__`). `link_adapter`: see `KVRag.__init__`.
         """
         lm = load_model(model, device=device, dtype=dtype)
-        return cls(lm, store=store, check=check, link_adapter=link_adapter, _adapter_in_place=True, **kwargs)
+        return cls(lm, store=store, check=check, link_adapter=link_adapter, **kwargs)
 
     @property
     def link_adapter(self) -> LinkAdapter | None:
         """The KVLink adapter in use (None: none)."""
         return self._link_adapter
 
+    @property
+    def adapter_lm(self) -> LoadedModel | None:
+        """The merged weights kvlink answers with, when the adapter changes weights (else None)."""
+        return self._fast.lm if self._fast is not None else None
+
     def with_store(self, store: KVStore | str | None) -> "KVRag":
-        """Another engine over this one's prepared model (adapter merged, gate passed) and another store:
-        no second copy of the weights, no second merge."""
+        """Another engine over this one's prepared model (gate passed, adapter merged) and another
+        store: no second copy of the weights, no second merge."""
         other = KVRag.__new__(KVRag)
         other._link_adapter, other.check_report = self._link_adapter, self.check_report
         KVRagCore.__init__(other, self.lm, store=store, layout=self.layout, batch_size=self.batch_size)
+        other._fast = None if self._fast is None else _AdapterPath(self._fast.lm, other, self._link_adapter)
         return other
 
     @property
     def default_method(self) -> str:
-        """kvlink over a model whose weights a link adapter tuned, else DEFAULT_METHOD."""
-        adapter = self._link_adapter
-        return TUNED_METHOD if adapter is not None and adapter.changes_model else DEFAULT_METHOD
+        """kvlink when the caller chose a weight-changing link adapter, else DEFAULT_METHOD."""
+        return TUNED_METHOD if self._fast is not None else DEFAULT_METHOD
+
+    # -- the adapter's fast path ---------------------------------------------------------------------
+    def _prefill_resolved(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
+        """kvlink over the adapter's weights when there are such weights and the context is long
+        enough to reuse; everything else (Full Attention above all) over the base weights."""
+        fast = self._fast
+        if fast is None or opts.resolved_method().name != TUNED_METHOD or opts.kv_kind != KIND_CHUNK:
+            return super()._prefill_resolved(question, resolved, opts)
+        if sum(len(ids) for ids in resolved.token_ids) <= opts.min_recompute_tokens():
+            return super()._prefill_resolved(question, resolved, opts)  # read whole, over the base weights
+        pre = fast._prefill_resolved(question, fast.rekey(resolved), opts)
+        pre.stats.weights = "adapter"
+        return pre
+
+    def decode(self, pre: Prefill, *, options: AnswerOptions | None = None, **kwargs: Any) -> AnswerStream:
+        if pre.stats.weights == "adapter" and self._fast is not None:
+            return self._fast.decode(pre, options=options, **kwargs)
+        return super().decode(pre, options=options, **kwargs)
+
+    def precompute(
+        self,
+        chunks: Iterable[Chunk],
+        batch_size: int | None = None,
+        progress: bool = True,
+        kind: str = KIND_CHUNK,
+        neighbours: Mapping[str, Sequence[str]] | None = None,
+        top_n: int = 2,
+        index: Any = None,
+    ) -> PrecomputeReport:
+        """`KVRagCore.precompute`; with a weight-changing adapter, the adapter's chunk KV too (kvlink reads it)."""
+        chunks = list(chunks)
+        report = super().precompute(chunks, batch_size, progress, kind, neighbours, top_n, index)
+        if self._fast is not None and kind == KIND_CHUNK:
+            with self._fast.lm.lock:
+                self._fast.repo.precompute(chunks, batch_size, progress, kind, None, top_n, None)
+        return report
+
+    def forget(self, chunks: Sequence[Chunk]) -> int:
+        texts = [c for c in chunks if c.text.strip()]
+        deleted = 0
+        if self._fast is not None:  # before the base forgets them: the registry is shared
+            deleted += self._fast.repo.forget(self._fast.repo.resolve(texts))
+        return deleted + super().forget(chunks)
+
+
+class _AdapterPath(KVRagCore):
+    """kvlink's fast path over merged weights: the base engine's store, layout and chunk registry,
+    its own chunk KV (keys from the merged fingerprint)."""
+
+    def __init__(self, lm: LoadedModel, base: KVRagCore, adapter: LinkAdapter) -> None:
+        super().__init__(lm, store=base.store, layout=base.layout, batch_size=base.batch_size)
+        self.repo.chunks = base.repo.chunks  # one registry: ids registered through either path resolve in both
+        self._adapter = adapter
+
+    @property
+    def link_adapter(self) -> LinkAdapter:
+        return self._adapter
+
+    @property
+    def default_method(self) -> str:
+        return TUNED_METHOD
+
+    def rekey(self, resolved: Resolved) -> Resolved:
+        """The base path's resolved chunks (ids looked up there, token ids known) keyed for these weights."""
+        return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.key(KIND_CHUNK, ids) for ids in resolved.token_ids])
 
 
 def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layout: PromptLayout) -> LinkAdapter | None:
@@ -117,7 +194,7 @@ def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layo
     if names_no_adapter(spec):
         return None
     if isinstance(spec, str) and spec in SHIPPED_SPECS:
-        return _shipped_adapter(lm, layout, ("tuned", "links") if spec == "auto" else ("links",))
+        return _shipped_adapter(lm, layout, ("tuned",) if spec == "tuned" else ("links",))
     adapter = spec if isinstance(spec, LinkAdapter) else load_adapter(spec)
     check_adapter(adapter, lm, layout.identity, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
     return adapter

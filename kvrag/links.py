@@ -69,8 +69,9 @@ GLOBAL_OWNER = -2  # link tokens, the question, the answer: causal over everythi
 
 SHIPPED_DIR = Path(__file__).parent / "adapters"
 # Adapters shipped in the package, per model source and kind: "tuned" changes the weights (LoRA;
-# `link_adapter="auto"` serves the merged model and answers with kvlink by default), "links" leaves
-# them as they are (only the link embeddings; `link_adapter="links"`). A missing file is skipped.
+# `link_adapter="tuned"`: kvlink answers over a merged copy, every other method over the base
+# weights), "links" leaves them as they are (only the link embeddings; `link_adapter="auto"` or
+# "links"). A missing file is skipped.
 SHIPPED_ADAPTERS: dict[str, dict[str, str]] = {
     "bundled:smollm2-135m-instruct": {
         "tuned": "smollm2-135m-instruct.kvlink-lora.safetensors",
@@ -78,7 +79,7 @@ SHIPPED_ADAPTERS: dict[str, dict[str, str]] = {
     }
 }
 SHIPPED_KINDS = ("tuned", "links")
-SHIPPED_SPECS = ("auto", "links")  # the `link_adapter=` / `--link-adapter` words that name shipped adapters
+SHIPPED_SPECS = ("auto", "links", "tuned")  # the `link_adapter=` / `--link-adapter` words that name shipped adapters
 
 
 def names_no_adapter(spec: object) -> bool:
@@ -389,13 +390,22 @@ def apply_adapter(lm: LoadedModel, adapter: LinkAdapter, inplace: bool = False) 
     """
     if not adapter.changes_model:
         return lm
-    model = lm.model if inplace else copy.deepcopy(lm.model)
+    model = lm.model if inplace else _copy_for_merge(lm.model, adapter)
     merge_weights(model, adapter)
     model.train(False)
     # the base weights' fingerprint (dtype included) and the adapter's digest name the merged weights:
     # no second pass over the weights (~0.5 s on the bundled model)
     fp = hashlib.sha256(f"{lm.fingerprint}:link-adapter:{adapter.weights_digest()}".encode()).hexdigest()[:32]
     return LoadedModel(model=model, tokenizer=lm.tokenizer, fingerprint=fp, source=f"{lm.source}+{adapter.mode}{MERGED_SUFFIX}")
+
+
+def _copy_for_merge(model: Any, adapter: LinkAdapter) -> Any:
+    """A copy of `model` whose parameters the adapter changes are its own; every other parameter is
+    shared with `model` (the engine keeps the base weights for Full Attention beside the merged ones
+    for kvlink without a second copy of the untouched weights)."""
+    changed = set(adapter.weights) | {f"{name}.weight" for name in (k.rsplit(".", 1)[0] for k in adapter.lora)}
+    memo = {id(p): p for name, p in model.named_parameters() if name not in changed}
+    return copy.deepcopy(model, memo)
 
 
 def shipped_adapter_paths(lm: LoadedModel, kinds: tuple[str, ...] = SHIPPED_KINDS) -> list[Path]:

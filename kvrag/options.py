@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -16,6 +17,7 @@ KIND_SIMILARITY = "similarity"  # ... after the prefix and its most similar chun
 KIND_PREFIX = "prefix"
 CHUNK_KINDS = (KIND_CHUNK, KIND_SIMILARITY)
 
+OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute")  # AnswerOptions' own keyword fields
 DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static")
 
 # The default fast setting over a model's own weights: the r = 0.15 method that recovered most of the
@@ -27,6 +29,13 @@ DEFAULT_METHOD = "cacheblend"
 TUNED_METHOD = "kvlink"
 RATIO_FREE = ("full", "reuse", TUNED_METHOD)  # methods that, as named, recompute no chosen share of chunk tokens
 DEFAULT_RATIO = 0.15
+# Every answer recomputes at least this many chunk tokens, and reads chunks that hold no more than this
+# with Full Attention over the base weights. Recomputing a fixed number of tokens costs a fixed, small
+# time (~0.1 s on a 2-core CPU), while r = 0.15 of a short context is a handful of tokens: on
+# one-sentence documents reuse at r = 0.15 lost 4 of the 9 facts Full got (MEASURED.md). At 10 passages
+# (~1,250 tokens) r = 0.15 already recomputes more, so long prompts keep their speed. `stats.full_reason`
+# and `stats.recompute_ratio` say what was done; 0 turns it off.
+DEFAULT_MIN_RECOMPUTE = 160
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"
 
@@ -55,8 +64,11 @@ class AnswerOptions:
     evict: SnapKV | None = None
     method_params: Mapping[str, Any] = field(default_factory=dict)
     decode: DecodeConfig = field(default_factory=decode_config)
+    min_recompute: int | None = None  # chunk tokens recomputed at least (all: Full Attention); None: the default
 
     def __post_init__(self) -> None:
+        if self.min_recompute is not None and (isinstance(self.min_recompute, bool) or not isinstance(self.min_recompute, int) or self.min_recompute < 0):
+            raise ValueError(f"min_recompute must be a whole number of tokens >= 0, got {self.min_recompute!r}")
         ratio = self.recompute_ratio
         if ratio == "auto":
             object.__setattr__(self, "recompute_ratio", AutoRatio())
@@ -73,7 +85,7 @@ class AnswerOptions:
         settings, and anything else as the method's own parameters (`layer=2` for a3)."""
         base = base or cls()
         fields: dict[str, Any] = {}
-        for name in ("method", "recompute_ratio", "kv_kind", "evict"):
+        for name in OPTION_KEYS:
             if name in kwargs:
                 fields[name] = kwargs.pop(name)
         if "options" in kwargs:
@@ -88,6 +100,20 @@ class AnswerOptions:
         if kwargs or inherited != dict(base.method_params):
             fields["method_params"] = {**inherited, **kwargs}
         return dataclasses.replace(base, **fields)
+
+    def min_recompute_tokens(self) -> int:
+        """Chunk tokens every answer recomputes at least (Full Attention when the chunks hold no more):
+        `min_recompute`, else
+        $KVRAG_MIN_RECOMPUTE (a deployment's default), else DEFAULT_MIN_RECOMPUTE."""
+        if self.min_recompute is not None:
+            return self.min_recompute
+        env = os.environ.get("KVRAG_MIN_RECOMPUTE", "").strip()
+        if env:
+            try:
+                return max(0, int(env))
+            except ValueError:
+                raise ValueError(f"KVRAG_MIN_RECOMPUTE must be a whole number of tokens, got {env!r}") from None
+        return DEFAULT_MIN_RECOMPUTE
 
     def with_default_method(self, method: str) -> "AnswerOptions":
         """These options, with `method` where they name none (what the engine does on every request)."""

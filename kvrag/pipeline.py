@@ -21,7 +21,7 @@ from kvrag.evict import SnapKV
 from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
 from kvrag.layout import Segments
 from kvrag.auto_ratio import AutoRatio, auto_budget
-from kvrag.methods import Method, PrepareContext, ScoredMethod, SelectContext, Selection, token_budget
+from kvrag.methods import LinkSlots, Method, PrepareContext, ScoredMethod, SelectContext, Selection, token_budget
 from kvrag.model import decoder_of
 from kvrag.options import KIND_CHUNK, AnswerOptions
 from kvrag.probe import ProbeResult, capture_queries
@@ -91,7 +91,15 @@ class RequestPipeline:
         t0 = clock(self.lm.device)
         meth = opts.resolved_method()
         stats = AnswerStats(method=meth.name)
-        links = meth.prepare(PrepareContext(self.lm, len(resolved.token_ids), self._link_adapter, self._default_links))
+        n_context = sum(len(ids) for ids in resolved.token_ids)
+        limit = opts.min_recompute_tokens()
+        short = not meth.full_attention and 0 < limit and n_context <= limit
+        if short:  # the whole prompt is cheap to read: Full Attention (no link slots), and the stats say so
+            stats.full_reason = f"{n_context} chunk tokens <= min_recompute={limit}: answered with Full Attention"
+            stats.recompute_ratio = 1.0
+            links = LinkSlots()
+        else:
+            links = meth.prepare(PrepareContext(self.lm, len(resolved.token_ids), self._link_adapter, self._default_links))
         segments = self.repo.layout.segments(resolved.token_ids, question, links=links.per_chunk)
         reserve = opts.decode.max_new_tokens + 1
         self.check_length(segments)
@@ -100,7 +108,7 @@ class RequestPipeline:
         stats.question_tokens = len(segments.question)
         prefix = self.repo.prefix_kv()
 
-        if meth.full_attention:
+        if meth.full_attention or short:
             with self._window(opts.evict, segments) as window:
                 out = full_prefill(self.lm, prefix, segments, reserve)
             if window is not None:
@@ -157,6 +165,8 @@ class RequestPipeline:
             selection = self._auto_select(meth, ctx, candidates, int(held.numel()), opts.recompute_ratio)
         else:
             budget = token_budget(opts.recompute_ratio, int(held.numel()))
+            if opts.recompute_ratio > 0:  # at least min_recompute tokens (an explicit 0 stays Full Reuse)
+                budget = max(budget, min(opts.min_recompute_tokens(), int(held.numel())))
             selection = Selection.of(meth.select(ctx, min(budget, int(candidates.numel()))))
             if 0 < candidates.numel() < budget and selection.positions.numel() == candidates.numel():
                 # every other chunk token is taken: only then does the budget reach the exact first chunk

@@ -50,6 +50,8 @@ class AnswerStats:
     layerwise: bool = False
     layer_load_s: float = 0.0
     load_wait_s: float = 0.0
+    weights: str = "base"  # "base", or "adapter": a weight-changing link adapter served this answer (kvlink's fast path)
+    full_reason: str = ""  # why a reuse method read the whole prompt with Full Attention (chunks within min_recompute), else ""
     echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
 
     @property

@@ -1,7 +1,9 @@
-"""Issue #17: on the bundled model, the three-document Eiffel question is answered "1889" through
-the CLI by Full Attention, plain reuse and every method at r = 0.15 (the default stop rule on), over
-the weights an engine serves by default (the shipped LoRA K = 5 adapter merged in, where kvlink is
-the default method) and over the base weights with the links-only adapter.
+"""Issues #17 and #34: on the bundled model, the three-document Eiffel question, in two phrasings,
+is answered "1889" through the CLI by Full Attention, plain reuse, every method at its default ratio
+and the default (no method named), as users get them: three one-line documents are within
+`min_recompute`, so every method reads them whole over the base weights (the stats say so). With
+the reuse-tuned adapter asked for (`--link-adapter tuned`), Full Attention is still the base model's
+and kvlink answers right too.
 A3 and SamKV recite a chunk header first ("Document: eiffel"); that line is left out of the answer
 (decode.leading_echo), so their answer is the line after it."""
 
@@ -18,9 +20,9 @@ DOCS = {
     "fuji.txt": "Mount Fuji is the highest mountain in Japan.",
     "wall.txt": "The Great Wall of China is thousands of kilometres long.",
 }
-METHODS = ["full", "reuse", "cacheblend", "epic", "a3", "fusionrag", "samkv"]
-# (`--link-adapter`, method): kvlink reads its link tokens well over the tuned weights only
-CASES = [("auto", m) for m in [*METHODS, "kvlink"]] + [("links", m) for m in METHODS]
+METHODS = ["full", "reuse", "cacheblend", "epic", "a3", "fusionrag", "samkv", "kvlink", None]  # None: the default
+QUESTIONS = ["In which year was the Eiffel Tower completed?", "When was the Eiffel Tower completed?"]
+CASES = [("auto", m, q) for m in METHODS for q in QUESTIONS] + [("tuned", m, q) for m in ("full", "kvlink", None) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +44,13 @@ def ingest(tmp_path_factory, smollm):
     return options
 
 
-@pytest.mark.parametrize(("weights", "method"), CASES)
-def test_eiffel_question_through_the_cli(ingest, capsys, weights, method):
+@pytest.mark.parametrize(("weights", "method", "question"), CASES)
+def test_eiffel_question_through_the_cli(ingest, capsys, shipped_defaults, weights, method, question):
     common = ingest(weights)
     capsys.readouterr()
-    assert main(["ask", *common, "When was the Eiffel Tower completed?", "-k", "3", "--method", method,
-                 "--recompute-ratio", "0.15", "--json"]) == 0
-    answer = json.loads(capsys.readouterr().out)["answer"]
-    assert "1889" in answer, (weights, method, answer)
+    named = ["--method", method] if method else []
+    assert main(["ask", *common, question, "-k", "3", *named, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "1889" in out["answer"], (weights, method, question, out["answer"])
+    assert out["stats"]["full_reason"] or method == "full"  # read whole: 3 sentences are within min_recompute
+    assert out["stats"]["weights"] == "base"

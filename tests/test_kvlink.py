@@ -13,6 +13,7 @@ from kvrag.attention import active_spec
 from kvrag.masks import additive
 
 from kvrag import Chunk, KVRag, from_model
+from kvrag.engine import _AdapterPath
 from kvrag.options import AnswerOptions
 from kvrag.errors import AdapterMismatchError
 from kvrag.layout import LAYOUT_VERSION, Segments
@@ -385,14 +386,36 @@ def test_lora_adapter_serves_a_merged_model_with_its_own_fingerprint_and_caches(
     assert merged.fingerprint != base.fingerprint
     assert all(torch.equal(before[n], p) for n, p in base.model.named_parameters())  # the caller's model is untouched
     tuned = KVRag(base, store=rag.store, link_adapter=adapter, check=False)  # same store as the base engine
-    assert tuned.lm.fingerprint == merged.fingerprint
-    with pytest.raises(Exception, match="unknown chunk"):  # the store's id index points at the base model's entries
-        tuned.prefill(Q, IDS, method="kvlink")
-    out = tuned.prefill(Q, chunks=CHUNKS, method="kvlink")
-    assert out.stats.cache_hits == 0 and out.stats.cache_misses == 3  # never the base model's chunk KV
-    again = tuned.prefill(Q, IDS, method="reuse")
-    assert again.stats.cache_hits == 3
-    assert rag.prefill(Q, IDS, method="reuse").stats.cache_hits == 3  # the base engine's entries are still its own
+    assert tuned.lm is base and tuned.adapter_lm.fingerprint == merged.fingerprint
+    out = tuned.prefill(Q, IDS, method="kvlink")  # ids resolve through the base path, KV is the adapter's own
+    assert out.stats.weights == "adapter" and out.stats.cache_hits == 0 and out.stats.cache_misses == 3
+    assert tuned.prefill(Q, IDS, method="kvlink").stats.cache_hits == 3
+    ref = _AdapterPath(merged, KVRag(base, store="memory://", link_adapter=None, check=False), adapter)  # merged weights, own store
+    assert torch.allclose(ref.prefill(Q, chunks=CHUNKS, method="kvlink").logits, out.logits, atol=1e-5)
+    again = tuned.prefill(Q, IDS, method="reuse")  # every other method: the base weights and their entries
+    assert again.stats.weights == "base" and again.stats.cache_hits == 3
+    full = tuned.prefill(Q, IDS, method="full")
+    assert torch.equal(full.logits, rag.prefill(Q, IDS, method="full").logits)  # Full Attention is the base model's
+    assert all(torch.equal(before[n], p) for n, p in base.model.named_parameters())
+
+
+def test_full_attention_answers_as_the_base_weights_with_a_tuned_adapter_loaded():
+    """Issue #34: with a weight-changing adapter, Full (and every method but kvlink) answers token for
+    token as an engine with no adapter does; kvlink answers over the merged copy, which shares the
+    untouched parameters with the base model."""
+    rag = make_rag()
+    adapter, _ = lora_adapter(rag.lm, rag.layout.identity)
+    tuned = KVRag(rag.lm, store="memory://", link_adapter=adapter, check=False)
+    plain = KVRag(rag.lm, store="memory://", link_adapter=None, check=False)
+    for method in ("full", "reuse", "cacheblend"):
+        a = tuned.answer(Q, chunks=CHUNKS, method=method, max_new_tokens=6, stop_at="none")
+        b = plain.answer(Q, chunks=CHUNKS, method=method, max_new_tokens=6, stop_at="none")
+        assert a.text == b.text and a.stats.weights == "base", method
+    fast = tuned.answer(Q, chunks=CHUNKS, max_new_tokens=6, stop_at="none")  # the default: kvlink, adapter weights
+    assert fast.stats.method == "kvlink" and fast.stats.weights == "adapter" and fast.stats.generated_tokens > 0
+    shared = {id(p) for p in rag.lm.model.parameters()}
+    merged = [n for n, p in tuned.adapter_lm.model.named_parameters() if id(p) not in shared]
+    assert merged and all(n.rsplit(".", 2)[-2] in ("q_proj", "v_proj", "k_proj", "o_proj") for n in merged), merged
 
 
 def ship(monkeypatch, folder, source, **names):
@@ -417,20 +440,22 @@ def test_shipped_adapter_is_the_default_where_there_is_one(tmp_path, monkeypatch
     assert terse.link_adapter is None and terse.prefill(Q, chunks=CHUNKS, method="kvlink").segments.links == 0
 
 
-def test_shipped_tuned_adapter_is_merged_and_answers_with_kvlink_by_default(tmp_path, monkeypatch):
+def test_shipped_tuned_adapter_serves_kvlink_only_when_asked_for(tmp_path, monkeypatch):
     rag = make_rag()
     tuned, _ = lora_adapter(rag.lm, rag.layout.identity)
     save_adapter(tmp_path / "tuned.safetensors", tuned)
     save_adapter(tmp_path / "links.safetensors", random_adapter(rag.lm, k=3, layout_identity=rag.layout.identity))
     ship(monkeypatch, tmp_path, rag.lm.source, tuned="tuned.safetensors", links="links.safetensors")
-    auto = KVRag(rag.lm, store="memory://", check=False)
-    assert auto.link_adapter.changes_model and auto.lm.fingerprint == apply_adapter(rag.lm, tuned).fingerprint
-    assert auto.default_method == "kvlink"
-    pre = auto.prefill(Q, chunks=CHUNKS)  # no method named: the engine's default
-    assert pre.stats.method == "kvlink" and pre.segments.links == 2
-    same = auto.prefill(Q, chunks=CHUNKS, options=AnswerOptions(recompute_ratio=0.5))  # options naming no method: the same
+    auto = KVRag(rag.lm, store="memory://", check=False)  # "auto": the links-only adapter, the base weights
+    assert not auto.link_adapter.changes_model and auto.default_method == "cacheblend" and auto.adapter_lm is None
+    opted = KVRag(rag.lm, store="memory://", check=False, link_adapter="tuned")  # the tuned one only when asked for
+    assert opted.link_adapter.changes_model and opted.adapter_lm.fingerprint == apply_adapter(rag.lm, tuned).fingerprint
+    assert opted.lm is rag.lm and opted.default_method == "kvlink"
+    pre = opted.prefill(Q, chunks=CHUNKS)  # no method named: the engine's default
+    assert pre.stats.method == "kvlink" and pre.segments.links == 2 and pre.stats.weights == "adapter"
+    same = opted.prefill(Q, chunks=CHUNKS, options=AnswerOptions(recompute_ratio=0.5))  # options naming no method: the same
     assert same.stats.method == "kvlink" and torch.equal(same.logits, pre.logits)
-    assert auto.prefill(Q, chunks=CHUNKS, method="reuse").stats.method == "reuse"  # a named method wins
+    assert opted.prefill(Q, chunks=CHUNKS, method="reuse").stats.method == "reuse"  # a named method wins
     links = KVRag(rag.lm, store="memory://", check=False, link_adapter="links")  # the base weights, the links-only adapter
     assert links.lm is rag.lm and links.link_adapter.link_tokens == 3 and links.default_method == "cacheblend"
     base = KVRag(rag.lm, store="memory://", check=False, link_adapter=None)
@@ -446,9 +471,10 @@ def test_an_adapter_over_a_model_with_one_merged_in_is_refused_and_with_store_sh
     adapter, _ = lora_adapter(rag.lm, rag.layout.identity)
     tuned = KVRag(rag.lm, store=rag.store, link_adapter=adapter, check=False)
     with pytest.raises(AdapterMismatchError, match="merged in already"):  # never merged twice
-        KVRag(tuned.lm, store="memory://", link_adapter=adapter, check=False)
+        KVRag(tuned.adapter_lm, store="memory://", link_adapter=adapter, check=False)
     other = tuned.with_store("memory://")
-    assert other.lm is tuned.lm and other.link_adapter is adapter and other.default_method == "kvlink"
+    assert other.lm is tuned.lm and other.adapter_lm is tuned.adapter_lm and other.link_adapter is adapter
+    assert other.default_method == "kvlink"
     assert other.store is not tuned.store and other.layout is tuned.layout
     a = tuned.prefill(Q, chunks=CHUNKS)
     b = other.prefill(Q, chunks=CHUNKS)
@@ -568,7 +594,7 @@ def test_lora_training_run_writes_a_loadable_adapter(tmp_path):
     adapter = load_adapter(res.adapter_path, rag.lm, rag.layout.identity)
     assert adapter.mode == "lora" and adapter.lora and adapter.meta["lora"]["r"] == 2
     tuned = KVRag(rag.lm, store="memory://", link_adapter=res.adapter_path, check=False)
-    assert tuned.lm.fingerprint != rag.lm.fingerprint
+    assert tuned.adapter_lm.fingerprint != rag.lm.fingerprint and tuned.lm is rag.lm
     assert tuned.answer(Q, chunks=CHUNKS, method="kvlink", max_new_tokens=2).stats.generated_tokens > 0
 
 

@@ -38,7 +38,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-chunks", type=int, default=d.max_chunks, help="chunks per request (413 above)")
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens, help="tokens of text per request (413 above)")
     p.add_argument("--link-adapter", default=d.link_adapter, type=link_adapter_arg,
-                   help="auto: the tuned adapter shipped for the bundled model; links: only its link embeddings; none: the base weights; or a file")
+                   help="auto/links: the shipped link embeddings (base weights); tuned: the shipped LoRA on kvlink's fast path; none; or a file")
     p.add_argument("--method", default=d.method, help="method when a request names none (see `kvrag methods`; default: the engine's, "
                                                       "kvlink over a tuned model, else cacheblend)")
     p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")

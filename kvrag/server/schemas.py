@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvrag.options import DECODE_KEYS, AnswerOptions
+from kvrag.options import DECODE_KEYS, OPTION_KEYS, AnswerOptions
 from kvrag.server.errors import APIError
 from kvrag.server.settings import ServerSettings
 from kvrag.types import Chunk
 
-_RESERVED = {"method", "recompute_ratio", "kv_kind", "evict", "options", *DECODE_KEYS}
+_RESERVED = {*OPTION_KEYS, "options", *DECODE_KEYS}
 
 
 class ChunkIn(BaseModel):
@@ -39,6 +39,7 @@ class KVRagContext(BaseModel):
     method: str | None = None
     recompute_ratio: float | Literal["auto"] | None = Field(default=None)  # checked by AnswerOptions: [0, 1] or "auto"
     kv_kind: Literal["chunk", "similarity"] | None = None
+    min_recompute: int | None = Field(default=None, ge=0, description="chunk tokens recomputed at least; no more than this: Full Attention (0: off)")
     stop_at: Literal["none", "line", "sentence"] | None = None  # when the answer is complete (default: the server's)
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
 
@@ -100,6 +101,8 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
     )
     if ctx.kv_kind is not None:
         kwargs["kv_kind"] = ctx.kv_kind
+    if ctx.min_recompute is not None:
+        kwargs["min_recompute"] = ctx.min_recompute
     if ctx.stop_at is not None:
         kwargs["stop_at"] = ctx.stop_at
     try:

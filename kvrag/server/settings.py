@@ -29,7 +29,7 @@ class ServerSettings:
     max_chunks: int = 64  # chunks per request (413 above)
     max_request_tokens: int = 32768  # tokens of text per request: chunk texts plus messages (413 above)
     max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for (400 above)
-    link_adapter: str | None = "auto"  # KVRag(link_adapter=...): auto (the tuned bundled model), links, None, or a file
+    link_adapter: str | None = "auto"  # KVRag(link_adapter=...): auto/links (shipped link embeddings), tuned, None, or a file
     method: str | None = None  # the method when a request names none; None: the engine's (KVRag.default_method)
     recompute_ratio: float = 0.15
     max_new_tokens: int = 64  # default max_tokens

@@ -1,0 +1,78 @@
+"""Issue #34: where recomputing is cheap, recompute more. Every answer recomputes at least
+`min_recompute` chunk tokens, chunks holding no more are read with Full Attention (over the base
+weights, whatever the method), an explicit ratio 0 stays Full Reuse, and the stats say what was done."""
+
+import pytest
+import torch
+
+from kvrag import Chunk, KVRag, from_model
+from kvrag.options import DEFAULT_MIN_RECOMPUTE, AnswerOptions
+from tiny import tiny_model, tiny_tokenizer
+
+CHUNKS = [
+    Chunk("a", "The cat sat on the mat and purred all afternoon long, then slept by the warm fire."),
+    Chunk("b", "Volcanoes erupt lava, ash and gas from deep below the crust of the planet Earth."),
+    Chunk("c", "Stock markets rose today after the central bank spoke about its interest rates."),
+]
+IDS = [c.id for c in CHUNKS]
+Q = "What did the cat do?"
+METHODS = ["reuse", "cacheblend", "epic", "a3", "fusionrag", "samkv", "kvlink"]
+
+
+@pytest.fixture(scope="module")
+def rag():
+    r = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://", check=False)
+    r.precompute(CHUNKS, progress=False)
+    return r
+
+
+def context_tokens(rag):
+    return sum(len(rag.layout.chunk_ids(c)) for c in CHUNKS)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_chunks_within_the_minimum_are_read_with_full_attention(rag, method):
+    n = context_tokens(rag)
+    full = rag.prefill(Q, IDS, method="full")
+    pre = rag.prefill(Q, IDS, method=method, min_recompute=n)
+    assert torch.equal(pre.logits, full.logits)  # the very same pass
+    assert pre.stats.method == method and pre.stats.recomputed_tokens == n and pre.stats.recompute_ratio == 1.0
+    assert f"{n} chunk tokens <= min_recompute={n}" in pre.stats.full_reason
+    assert pre.stats.cache_hits == 0  # nothing was read from the store
+    one_more = rag.prefill(Q, IDS, method=method, min_recompute=n - 1)  # one token short: reuse
+    assert one_more.stats.full_reason == ""
+
+
+def test_the_minimum_raises_a_small_ratio_but_not_an_explicit_zero(rag):
+    n = context_tokens(rag)
+    first = len(rag.layout.chunk_ids(CHUNKS[0]))  # the first chunk's KV is exact: chosen last
+    pre = rag.prefill(Q, IDS, method="cacheblend", recompute_ratio=0.05, min_recompute=20)
+    assert pre.stats.recomputed_tokens == 20 and pre.stats.full_reason == ""
+    assert pre.stats.recompute_ratio == pytest.approx(20 / n)
+    off = rag.prefill(Q, IDS, method="cacheblend", recompute_ratio=0.05, min_recompute=0)
+    assert off.stats.recomputed_tokens == max(1, round(0.05 * n)) or off.stats.recomputed_tokens < 20
+    zero = rag.prefill(Q, IDS, method="cacheblend", recompute_ratio=0.0, min_recompute=20)
+    assert zero.stats.recomputed_tokens == 0  # ratio 0 is Full Reuse, as the invariant says
+    assert n - first > 20
+
+
+def test_the_default_comes_from_the_environment_then_the_constant(rag, monkeypatch):
+    assert AnswerOptions(min_recompute=7).min_recompute_tokens() == 7
+    monkeypatch.setenv("KVRAG_MIN_RECOMPUTE", "12")
+    assert AnswerOptions().min_recompute_tokens() == 12
+    monkeypatch.delenv("KVRAG_MIN_RECOMPUTE")
+    assert AnswerOptions().min_recompute_tokens() == DEFAULT_MIN_RECOMPUTE
+    monkeypatch.setenv("KVRAG_MIN_RECOMPUTE", "lots")
+    with pytest.raises(ValueError, match="KVRAG_MIN_RECOMPUTE"):
+        AnswerOptions().min_recompute_tokens()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_recompute"):
+            AnswerOptions(min_recompute=bad)
+
+
+def test_shipped_default_reads_short_chunks_whole(rag, shipped_defaults):
+    assert len(rag.layout.chunk_ids(CHUNKS[0])) <= DEFAULT_MIN_RECOMPUTE < context_tokens(rag)  # bytes on this tokenizer
+    out = rag.answer(Q, ["a"], method="reuse", max_new_tokens=4)
+    assert out.stats.full_reason and out.stats.recomputed_tokens == out.stats.context_tokens
+    long = rag.answer(Q, IDS, method="cacheblend", max_new_tokens=4)
+    assert not long.stats.full_reason and long.stats.recomputed_tokens == DEFAULT_MIN_RECOMPUTE
