@@ -148,3 +148,35 @@ def cmd_bench_deviation(args: argparse.Namespace) -> int:
         f"{r['all_layers_plain']:.2f} -> {r['all_layers_similarity']:.2f} ({1 - r['all_layers_similarity'] / r['all_layers_plain']:.0%} lower)"
     )
     return 0
+
+
+def cmd_eval_suite(args: argparse.Namespace) -> int:
+    """`kvrag eval suite`: every set at every length over the base weights (and the tuned adapter's
+    kvlink), the rule applied; see kvrag.eval.suite."""
+    from kvrag.eval.suite import SETS, TUNED, run_suite, write_suite
+    from kvrag.links import SHIPPED_ADAPTERS, SHIPPED_DIR
+
+    sets = [s for s in args.sets.split(",") if s]
+    unknown = [s for s in sets if s not in SETS]
+    if unknown:
+        raise KVRagError(f"unknown sets {unknown}; known: {', '.join(SETS)}")
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = args.store or f"disk://{(out / 'kv').resolve()}"
+    rag = KVRag.from_pretrained(args.model, store=store, device=args.device, link_adapter=BASE_WEIGHTS)
+    variants = {}
+    tuned = args.tuned
+    if tuned == "shipped":
+        name = SHIPPED_ADAPTERS.get(rag.lm.source, {}).get("tuned")
+        tuned = str(SHIPPED_DIR / name) if name else "none"
+    if tuned != "none":
+        variants[TUNED] = KVRag(rag.lm, store=rag.store, layout=rag.layout, check=False, link_adapter=tuned)
+    sizes = {s: args.n for s in sets} if args.n else None
+    results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes)
+    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "model": rag.lm.source, "tuned": tuned,
+            "sets": sets, "lengths": lengths}
+    verdict = write_suite(results, out, meta)
+    print((out / "suite.md").read_text())
+    print(f"default by the rule: {verdict['default']}; results in {out}/ (suite.md, suite.json, suite.png)", file=sys.stderr)
+    return 0

@@ -44,13 +44,7 @@ def load_examples(path: str | Path, n: int | None = None, seed: int = 0) -> list
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                chunks = [
-                    Chunk(chunk_id(c.get("title", ""), c["text"]), c["text"], c.get("title", "")) for c in row["ctxs"]
-                ]
-                rows.append(
-                    Example(str(row.get("id", lineno)), row["question"], list(row["answers"]), chunks, row.get("gold_index"))
-                )
+                rows.append(example_from_row(json.loads(line), str(lineno)))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not an evaluation row ({exc})") from None
     rows = rows[start:end]
@@ -59,11 +53,18 @@ def load_examples(path: str | Path, n: int | None = None, seed: int = 0) -> list
     return rows
 
 
-def sample_examples(n: int | None = None, seed: int = 0, chunks_per_question: int = 6) -> list[Example]:
+def example_from_row(row: dict, fallback_id: str = "") -> Example:
+    """One `{id, question, answers[], ctxs[{title,text}], gold_index}` row as an Example."""
+    chunks = [Chunk(chunk_id(c.get("title", ""), c["text"]), c["text"], c.get("title", "")) for c in row["ctxs"]]
+    return Example(str(row.get("id", fallback_id)), row["question"], list(row["answers"]), chunks, row.get("gold_index"))
+
+
+def sample_examples(n: int | None = None, seed: int = 0, chunks_per_question: int = 6, phrasings: bool = False) -> list[Example]:
     """Examples from the bundled sample corpus and questions, for a benchmark with no dataset at hand.
 
     Each question gets its own document's chunks plus other documents' chunks as distractors, in a
-    seeded order, so the gold passage is not always first.
+    seeded order, so the gold passage is not always first. `phrasings=True`: every phrasing of each
+    question (sample_questions.json "phrasings") is an example of its own over the same chunks.
     """
     from kvrag.documents import load_documents
 
@@ -76,7 +77,8 @@ def sample_examples(n: int | None = None, seed: int = 0, chunks_per_question: in
         others = [c for c in chunks if c not in gold]
         picked = gold + rng.sample(others, chunks_per_question - len(gold))
         rng.shuffle(picked)
-        out.append(Example(f"sample-{i}", q["question"], [q["answer"]], picked))
+        asked = [q["question"], *q.get("phrasings", [])] if phrasings else [q["question"]]
+        out += [Example(f"sample-{i}" + (f"-{j}" if j else ""), text, [q["answer"]], picked) for j, text in enumerate(asked)]
     if n is not None and n < len(out):
         out = random.Random(seed).sample(out, n)
     return out
