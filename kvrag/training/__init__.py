@@ -15,7 +15,13 @@ see (tested: the training pass reproduces the engine's first-token logits):
    their inference positions, under KVLink's picture (`kvrag.links.link_picture`, the function the
    inference pass draws its mask with): link tokens, question and answer see every earlier position.
 
-The loss is the cross-entropy of the answer tokens only. Modes:
+The loss (objective `gold`, the default) is the cross-entropy of the answer tokens only. Objective
+`distill` (`--objective distill`, module `distill`) never reads the gold answers: the base model
+(LoRA off) with Full Attention over the same prompt without link slots greedily continues it for
+`--teacher-tokens` tokens, and the loss is the mean KL(teacher || student) over that continuation,
+the student teacher-forced over the teacher's tokens on the reused KV (+ `--ce-weight` x their
+cross-entropy). Its examples are "qa" (a row's passages and question) or, for `--continue-share`
+of them, "continue" (a row's passage text as chunks, the question slot "Continue the text."). Modes:
 
 - `links`: only the link embeddings train (new rows beside the frozen vocabulary);
 - `lora`: LoRA factors (through `peft`, `pip install kvrag[train]`) plus the links;
@@ -34,6 +40,7 @@ warm-up and cosine decay, fixed seeds; a checkpoint (safetensors + JSON only) ev
 The same command runs on the CPU for the bundled model and on CUDA for bigger ones.
 
 Modules: `config` (TrainConfig), `data` (rows, examples), `passes` (context KV, the pass, the loss),
+`distill` (objective distill: the teacher, its cached targets, the KL),
 `trainables` (model preparation, adapter export, lr schedule, optimizer state), `loop` (checkpoints,
 `train()`), `cli` (`kvrag train-links` / `python -m kvrag.train`). `kvrag.train` re-exports them.
 """

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Sequence
 
 from kvrag.links import MODES
-from kvrag.training.config import TrainConfig
+from kvrag.training.config import OBJECTIVES, TrainConfig
 from kvrag.training.loop import train
 
 
@@ -56,6 +56,19 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--allow-eval-rows", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--store", default=None, help="mode links: KV store URL for chunk KV (default disk://$KVRAG_HOME/kv)")
+    p.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
+                   help="gold: cross-entropy of the rows' gold answers; distill: imitate the base model with Full "
+                        "Attention (KL over its greedy continuation; gold answers unused) (default %(default)s)")
+    p.add_argument("--teacher-tokens", type=int, default=d.teacher_tokens,
+                   help="distill: tokens the teacher continues greedily (default %(default)s)")
+    p.add_argument("--teacher-topk", type=int, default=d.teacher_topk,
+                   help="distill: keep the teacher's top-k log-probs and the rest's mass (default %(default)s: the whole vocabulary)")
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight,
+                   help="distill: weight of the cross-entropy of the teacher's tokens added to the KL (default %(default)s)")
+    p.add_argument("--continue-share", type=float, default=d.continue_share,
+                   help="distill: share of examples that continue a row's text instead of answering its question (default %(default)s)")
+    p.add_argument("--teacher-cache", action="store_true",
+                   help="distill: also keep the teacher's targets in OUT/teacher/ (~6 MB an example at full vocabulary)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train_links)
     return p
@@ -95,6 +108,12 @@ def cmd_train_links(args: argparse.Namespace) -> int:
         adapter_out=args.adapter_out,
         system_prompt=args.system_prompt,
         store=args.store,
+        objective=args.objective,
+        teacher_tokens=args.teacher_tokens,
+        teacher_topk=args.teacher_topk,
+        ce_weight=args.ce_weight,
+        continue_share=args.continue_share,
+        teacher_cache=args.teacher_cache,
     )
     result = train(cfg)
     first = result.losses[0] if result.losses else float("nan")

@@ -8,6 +8,9 @@ from typing import Any
 from kvrag.links import DEFAULT_MAX_CHUNKS, MODES
 
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+OBJECTIVES = ("gold", "distill")
+# What only objective distill reads: in the resume key only then, so gold runs resume unchanged.
+DISTILL_KEYS = ("objective", "teacher_tokens", "teacher_topk", "ce_weight", "continue_share")
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -46,6 +49,14 @@ class TrainConfig:
     adapter_out: str | None = None  # default OUT/adapter.safetensors
     store: str | None = None  # mode links: the KV store chunk KV is read from / kept in (default: kvrag's own)
     system_prompt: str | None = None
+    # "gold": cross-entropy of the rows' gold answers; "distill": imitate the base model with Full
+    # Attention (LoRA off, no link slots), KL(teacher || student) over its greedy continuation
+    objective: str = "gold"
+    teacher_tokens: int = 32  # distill: the teacher's greedy continuation (stops early at end of turn)
+    teacher_topk: int = 0  # distill: keep the teacher's top-k log-probs (+ the rest's mass); 0: the full vocabulary
+    ce_weight: float = 0.0  # distill: + this times the cross-entropy of the teacher's tokens
+    continue_share: float = 0.5  # distill: share of examples that continue a row's text instead of answering its question
+    teacher_cache: bool = False  # distill: also keep teacher targets in OUT/teacher/ (safetensors; ~6 MB an example at full vocabulary)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +67,10 @@ class TrainConfig:
             raise ValueError(f"min_chunks must be from 1 to max_chunks ({self.max_chunks}), got {self.min_chunks}")
         if self.mode == "links" and self.link_tokens == 0:
             raise ValueError("mode 'links' with 0 link tokens has nothing to train")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.teacher_tokens < 1 or self.teacher_topk < 0 or self.ce_weight < 0 or not 0 <= self.continue_share <= 1:
+            raise ValueError("teacher_tokens >= 1, teacher_topk >= 0, ce_weight >= 0 and 0 <= continue_share <= 1 are required")
 
     def resume_key(self) -> dict[str, Any]:
         """What must not change between a run and its resumption."""
@@ -64,5 +79,7 @@ class TrainConfig:
         key = {k: getattr(self, k) for k in keys}
         if self.min_chunks is not None:  # only when set: runs from before the option resume unchanged
             key["min_chunks"] = self.min_chunks
+        if self.objective != "gold":  # likewise: gold runs resume as they always did
+            key.update({k: getattr(self, k) for k in DISTILL_KEYS})
         return key
 

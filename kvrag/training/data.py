@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -67,6 +68,7 @@ class Example:
     answer: list[int]  # answer token ids (+ end of turn)
     gold: int | None  # the gold passage's chunk index after shuffling
     chunks: list[Chunk] = field(default_factory=list)  # the passages, in prompt order
+    kind: str = "qa"  # "qa" (a question over passages) or "continue" (objective distill: the text goes on)
 
     @property
     def length(self) -> int:
@@ -94,6 +96,16 @@ def answer_ids(layout: PromptLayout, answer: str) -> list[int]:
     return ids + ([int(eos)] if isinstance(eos, int) else [])
 
 
+def qa_chunks(row: dict, rng: random.Random, max_chunks: int, min_chunks: int | None = None) -> tuple[list[Chunk], int | None]:
+    """A QA example's passages (shuffled, the gold one at a random place and always kept) and the gold index."""
+    ctxs, gold = shuffled_passages(row, rng)
+    keep = max_chunks if min_chunks is None else rng.randint(min(min_chunks, max_chunks), max_chunks)
+    if gold is not None and gold >= keep:  # keep the gold passage: it replaces the last one kept
+        ctxs, gold = ctxs[: keep - 1] + [ctxs[gold]], keep - 1
+    ctxs = ctxs[:keep]
+    return [Chunk(id=f"p{i}", text=str(c.get("text", "")), title=str(c.get("title", "") or "")) for i, c in enumerate(ctxs)], gold
+
+
 def build_example(
     layout: PromptLayout, row: dict, rng: random.Random, link_tokens: int, max_chunks: int, max_tokens: int,
     min_chunks: int | None = None,
@@ -101,22 +113,99 @@ def build_example(
     """One training prompt from a row. With `min_chunks`, the example keeps a random number of passages
     from min_chunks to max_chunks (the gold one among them), so the model also sees prompts with few
     chunks, as a RAG app with a small top-k sends; None keeps up to max_chunks (and draws nothing)."""
-    ctxs, gold = shuffled_passages(row, rng)
-    keep = max_chunks if min_chunks is None else rng.randint(min(min_chunks, max_chunks), max_chunks)
-    if gold is not None and gold >= keep:  # keep the gold passage: it replaces the last one kept
-        ctxs, gold = ctxs[: keep - 1] + [ctxs[gold]], keep - 1
-    ctxs = ctxs[:keep]
-    chunks = [Chunk(id=f"p{i}", text=str(c.get("text", "")), title=str(c.get("title", "") or "")) for i, c in enumerate(ctxs)]
+    chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
     ans = answer_ids(layout, str((row.get("answers") or [""])[0]))
-    question = layout.question_ids(str(row["question"]))
+    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), ans, link_tokens, max_tokens, len(ans))
+
+
+def fit_example(
+    layout: PromptLayout, chunks: list[Chunk], gold: int | None, question: list[int], answer: list[int], link_tokens: int,
+    max_tokens: int, reserve: int, kind: str = "qa",
+) -> Example:
+    """The example of these chunks, with trailing non-gold chunks dropped until the prompt plus
+    `reserve` answer tokens fits `max_tokens` (one chunk is always kept)."""
     while True:
         seg = Segments(list(layout.prefix_ids), [layout.chunk_ids(c) for c in chunks], question, links=link_tokens)
-        if seg.total_len + len(ans) <= max_tokens or len(chunks) <= 1:
-            return Example(seg, ans, gold, chunks)
+        if seg.total_len + reserve <= max_tokens or len(chunks) <= 1:
+            return Example(seg, answer, gold, chunks, kind)
         drop = max(i for i in range(len(chunks)) if i != gold)  # the last non-gold passage
         chunks = chunks[:drop] + chunks[drop + 1 :]
         if gold is not None and gold > drop:
             gold -= 1
+
+
+# -- objective distill: example kinds ----------------------------------------------------------------
+# The question slot of a "continue" example: the prompt is what `rag.answer(CONTINUE_INSTRUCTION,
+# chunks=...)` reads (the layout's question template and assistant turn), so the teacher continues
+# in the assistant turn, as every answer at inference is generated.
+CONTINUE_INSTRUCTION = "Continue the text."
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def example_kind(seed: int, epoch: int, row_index: int, continue_share: float, row: dict | None = None) -> str:
+    """The kind of the example of row `row_index` in `epoch`: "continue" for about `continue_share`
+    of them, else "qa"; a pure function of the seed (a resumed run sees the same kinds). A row
+    without a question is always "continue"."""
+    if row is not None and not str(row.get("question") or "").strip():
+        return "continue"
+    if continue_share <= 0:
+        return "qa"
+    return "continue" if random.Random(f"{seed}:{epoch}:{row_index}:kind").random() < continue_share else "qa"
+
+
+def split_sentences(text: str, pieces: int) -> list[str]:
+    """`text` cut at sentence ends into at most `pieces` runs of sentences of about equal length."""
+    sentences = [s for s in _SENTENCE_END.split(text.strip()) if s]
+    pieces = max(1, min(pieces, len(sentences)))
+    total = sum(len(s) + 1 for s in sentences)
+    out, cur, done = [], [], 0
+    for i, s in enumerate(sentences):
+        cur.append(s)
+        done += len(s) + 1
+        left = len(sentences) - i - 1
+        if len(out) < pieces - 1 and (done >= total * (len(out) + 1) / pieces or left == pieces - 1 - len(out)):
+            out.append(" ".join(cur))
+            cur = []
+    if cur:
+        out.append(" ".join(cur))
+    return out
+
+
+def continue_chunks(row: dict, rng: random.Random, max_chunks: int) -> list[Chunk]:
+    """The chunks of a "continue" example (no question): half the time some of the row's passages
+    in a shuffled order (titled, as QA examples show them), else one passage cut at sentence ends
+    into 2-4 untitled pieces (its title on the first line of the first, as a user's document
+    chunks read), so the text runs on across chunk boundaries."""
+    ctxs = [c for c in (row.get("ctxs") or []) if str(c.get("text", "")).strip()]
+    if not ctxs:
+        raise ValueError(f"row {row.get('id', '?')!r} has no passage text to continue")
+    if rng.random() < 0.5:
+        c = ctxs[rng.randrange(len(ctxs))]
+        title = str(c.get("title", "") or "").strip()
+        text = (title + "\n" if title else "") + str(c["text"]).strip()
+        pieces = split_sentences(text, rng.randint(2, 4))
+        if len(pieces) > 1:
+            return [Chunk(id=f"s{i}", text=t) for i, t in enumerate(pieces[:max_chunks])]
+    rng.shuffle(ctxs)
+    keep = rng.randint(min(2, len(ctxs), max_chunks), min(len(ctxs), max_chunks))
+    return [Chunk(id=f"p{i}", text=str(c.get("text", "")), title=str(c.get("title", "") or "")) for i, c in enumerate(ctxs[:keep])]
+
+
+def build_distill_example(
+    layout: PromptLayout, row: dict, rng: random.Random, kind: str, link_tokens: int, max_chunks: int, max_tokens: int,
+    reserve: int, min_chunks: int | None = None,
+) -> Example:
+    """An example of objective distill, its answer still empty (the teacher's continuation goes
+    there): "qa" lays out the row's passages and question as `build_example` does (the same
+    draws), "continue" the row's passage text with `CONTINUE_INSTRUCTION`. The row's answers are
+    never read; `reserve` (the teacher's token budget) stands in for the answer's length."""
+    if kind == "continue":
+        chunks = continue_chunks(row, rng, max_chunks)
+        return fit_example(layout, chunks, None, layout.question_ids(CONTINUE_INSTRUCTION), [], link_tokens, max_tokens, reserve, kind)
+    if kind != "qa":
+        raise ValueError(f"example kind must be 'qa' or 'continue', got {kind!r}")
+    chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
+    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), [], link_tokens, max_tokens, reserve)
 
 
 def training_mask(segments: Segments, length: int) -> torch.Tensor:

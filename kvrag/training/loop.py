@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from kvrag.decode import eos_ids
 from kvrag.engine import KVRag
 from kvrag.layout import PromptLayout
 from kvrag.links import LinkAdapter, adapter_header, default_link_embeds, save_adapter
@@ -25,6 +26,7 @@ from kvrag.model import LoadedModel, load_model
 from kvrag.rope import Rotary
 from kvrag.training.config import TrainConfig
 from kvrag.training.data import build_example, load_rows
+from kvrag.training.distill import Teacher, distill_example, distill_loss
 from kvrag.training.passes import example_loss
 from kvrag.training.trainables import export_adapter, lr_factor, optimizer_tensors, prepare_model, restore_optimizer
 
@@ -85,7 +87,10 @@ def save_checkpoint(out: Path, state: dict[str, Any], trainables: dict[str, torc
     shutil.rmtree(old, ignore_errors=True)
 
 
-def plot_losses(losses: Sequence[float], path: Path, title: str = "") -> Path | None:
+LOSS_LABELS = {"gold": "answer cross-entropy", "distill": "KL to base Full Attention"}
+
+
+def plot_losses(losses: Sequence[float], path: Path, title: str = "", ylabel: str = LOSS_LABELS["gold"]) -> Path | None:
     try:
         import matplotlib
 
@@ -102,7 +107,7 @@ def plot_losses(losses: Sequence[float], path: Path, title: str = "") -> Path | 
         smooth = [sum(losses[max(0, i - w + 1) : i + 1]) / len(losses[max(0, i - w + 1) : i + 1]) for i in range(len(losses))]
         ax.plot(steps, smooth, lw=2, label=f"mean of {w}")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("answer cross-entropy")
+    ax.set_ylabel(ylabel)
     ax.set_title(title or "KVLink training loss")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -128,6 +133,8 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     if lm is None:
         lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
         model = lm.model
+        if cfg.mode == "full" and cfg.objective == "distill":  # lm.model stays the base weights: the teacher
+            model = copy.deepcopy(model)
     else:  # never modify the caller's model
         model = lm.model if cfg.mode == "links" else copy.deepcopy(lm.model)
     layout = PromptLayout(lm.tokenizer, **({"system_prompt": cfg.system_prompt} if cfg.system_prompt else {}))
@@ -136,6 +143,10 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
 
     links = torch.nn.Parameter(default_link_embeds(model, cfg.link_tokens, cfg.max_chunks).to(device))
     model, named = prepare_model(model, cfg)
+    teacher = None
+    if cfg.objective == "distill":  # the base weights: lora's model with the adapter off, full's untouched lm.model
+        teacher = Teacher(lm.model if cfg.mode == "full" else model, eos_ids(lm), cfg.teacher_tokens, cfg.teacher_topk,
+                          lm.fingerprint, out / "teacher" if cfg.teacher_cache else None)
     groups = [{"params": [links], "lr": cfg.link_lr, "weight_decay": 0.0, "base_lr": cfg.link_lr}]
     if named:
         groups.append({"params": [p for _, p in named], "lr": cfg.lr, "weight_decay": cfg.weight_decay, "base_lr": cfg.lr})
@@ -175,9 +186,10 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
             "elapsed_s": elapsed_before + time.perf_counter() - t_start,
         }
         save_checkpoint(out, state, trainables, optimizer_tensors(opt, params))
-        plot_losses(losses, out / "loss.png")
+        plot_losses(losses, out / "loss.png", ylabel=LOSS_LABELS[cfg.objective])
 
-    bar = tqdm(total=total, initial=step, desc=f"train-links ({cfg.mode}, K={cfg.link_tokens})", unit="step", disable=not cfg.progress)
+    what = f"{cfg.mode}, K={cfg.link_tokens}" + (", distill" if teacher is not None else "")
+    bar = tqdm(total=total, initial=step, desc=f"train-links ({what})", unit="step", disable=not cfg.progress)
     feed = micro_batches(len(rows), cfg, step * cfg.grad_accum)
     stopped_early = False
     while step < total:
@@ -190,14 +202,19 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
         step_loss = 0.0
         for _ in range(cfg.grad_accum):
             picks = next(feed)
-            examples = [
-                build_example(
-                    layout, rows[i], random.Random(f"{cfg.seed}:{e}:{i}"), cfg.link_tokens, cfg.max_chunks, cfg.max_tokens,
-                    cfg.min_chunks,
-                )
-                for e, i in picks
-            ]
-            loss = example_loss(model, examples, links, cfg.max_chunks, rag=rag, rotary=rotary) / cfg.grad_accum
+            if teacher is not None:
+                examples = [distill_example(layout, rows[i], cfg, e, i) for e, i in picks]
+                loss = distill_loss(model, teacher, examples, links, cfg.max_chunks, rag=rag, rotary=rotary, ce_weight=cfg.ce_weight)
+                loss = loss / cfg.grad_accum
+            else:
+                examples = [
+                    build_example(
+                        layout, rows[i], random.Random(f"{cfg.seed}:{e}:{i}"), cfg.link_tokens, cfg.max_chunks, cfg.max_tokens,
+                        cfg.min_chunks,
+                    )
+                    for e, i in picks
+                ]
+                loss = example_loss(model, examples, links, cfg.max_chunks, rag=rag, rotary=rotary) / cfg.grad_accum
             loss.backward()
             step_loss += float(loss.detach())
         opt.step()
@@ -210,8 +227,9 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     bar.close()
     checkpoint()
     seconds = elapsed_before + time.perf_counter() - t_start
+    unused = () if cfg.objective == "distill" else ("teacher_tokens", "teacher_topk", "ce_weight", "continue_share", "teacher_cache")
     header["training"] = {
-        **{k: v for k, v in asdict(cfg).items() if k not in ("out", "progress", "resume", "adapter_out", "store")},
+        **{k: v for k, v in asdict(cfg).items() if k not in ("out", "progress", "resume", "adapter_out", "store") + unused},
         "steps": step,
         "total_steps": total,
         "examples": len(rows),
@@ -222,9 +240,11 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
         "torch": torch.__version__,
         "stopped_early": stopped_early,
     }
+    if teacher is not None:
+        header["training"]["teacher_generated"] = teacher.generated  # targets computed by this process (not read from OUT/teacher)
     adapter = export_adapter(model, links, cfg, header)
     path = save_adapter(cfg.adapter_out or out / "adapter.safetensors", adapter)
-    plot_losses(losses, out / "loss.png")
+    plot_losses(losses, out / "loss.png", ylabel=LOSS_LABELS[cfg.objective])
     (out / "train_summary.json").write_text(json.dumps({"adapter": str(path), **header["training"], "losses": losses}, indent=1))
     return TrainResult(path, step, losses, adapter, seconds, stopped_early)
 

@@ -205,13 +205,17 @@ def batch_loss(model: Any, context: Context, batch: PassBatch, links: torch.Tens
     return torch.nn.functional.cross_entropy(batch_logits(model, context, batch, links).float(), batch.targets)
 
 
-def example_loss(model: Any, examples: Sequence[Example], links: torch.Tensor, max_chunks: int, rag: Any = None, rotary: Any = None) -> torch.Tensor:
-    """The loss of a micro-batch: context from the engine (`rag`, mode links) or encoded here (`rotary`), then the pass."""
+def batch_context(model: Any, examples: Sequence[Example], rag: Any = None, rotary: Any = None) -> Context:
+    """A micro-batch's context: from the engine (`rag`, mode links) or encoded here (`rotary`, with gradients)."""
     if rag is not None:
         with torch.no_grad():
-            context = load_context(rag, examples)
-    else:
-        context = encode_context(model, rotary, examples)
+            return load_context(rag, examples)
+    return encode_context(model, rotary, examples)
+
+
+def example_loss(model: Any, examples: Sequence[Example], links: torch.Tensor, max_chunks: int, rag: Any = None, rotary: Any = None) -> torch.Tensor:
+    """The loss of a micro-batch: context from the engine (`rag`, mode links) or encoded here (`rotary`), then the pass."""
+    context = batch_context(model, examples, rag, rotary)
     dtype = next(model.parameters()).dtype
     return batch_loss(model, context, pass_batch(examples, context, max_chunks, dtype), links)
 

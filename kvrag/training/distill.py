@@ -1,0 +1,220 @@
+"""Objective `distill`: the trained model learns to read reused KV as the base model reads the whole prompt.
+
+The teacher is the base model (LoRA switched off; in mode `full` a frozen copy of the base
+weights) with Full Attention over the ordinary prompt, `[system prefix | chunk 1 | ... | chunk N |
+question]` with no link slots and causal attention: the token ids `method="full"` reads at
+inference for the same chunks and question (`teacher_segments`: the example's own segments with
+the link slots taken out). It continues greedily for `teacher_tokens` tokens (stopping at the end
+of a turn), and its next-token log-probs at every position of that continuation are the targets
+(`TeacherTargets`; with `teacher_topk` only the top k of them and the rest's total mass).
+
+The student is the model being trained, reading the chunk-independent KV exactly as the gold
+objective does (link tokens, KVLink's picture, chunks encoded separately after the prefix and
+re-rotated), teacher-forced over the teacher's continuation. The loss is the mean over
+continuation positions of KL(teacher || student) (temperature 1), plus `ce_weight` times the
+cross-entropy of the teacher's tokens. Gold answers are never read.
+
+Targets depend only on the base model and the example: they are computed once per example when
+first needed (kept in memory for a while, and with `teacher_cache` in OUT/teacher/ as safetensors
+keyed by a hash of the prompt ids, so a resumed run reads them back instead of generating again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvrag.cache import empty_cache
+from kvrag.layout import PromptLayout, Segments
+from kvrag.training.config import TrainConfig
+from kvrag.training.data import Example, build_distill_example, example_kind
+from kvrag.training.passes import batch_context, batch_logits, pass_batch
+
+MEMORY_ENTRIES = 64  # teacher targets kept in memory (full-vocabulary targets are ~6 MB each on a 49k vocabulary)
+
+
+# -- examples ---------------------------------------------------------------------------------------
+def distill_example(layout: PromptLayout, row: dict, cfg: TrainConfig, epoch: int, row_index: int) -> Example:
+    """The distill example of row `row_index` in `epoch`: its kind and layout are a pure function of
+    (seed, epoch, row), as the gold objective's examples are; its answer is filled in by the teacher."""
+    kind = example_kind(cfg.seed, epoch, row_index, cfg.continue_share, row)
+    rng = random.Random(f"{cfg.seed}:{epoch}:{row_index}")
+    return build_distill_example(
+        layout, row, rng, kind, cfg.link_tokens, cfg.max_chunks, cfg.max_tokens, cfg.teacher_tokens, cfg.min_chunks
+    )
+
+
+def teacher_segments(example: Example) -> Segments:
+    """The example's prompt as Full Attention reads it: the same prefix, chunks and question, no link slots."""
+    seg = example.segments
+    return Segments(list(seg.prefix), [list(c) for c in seg.chunks], list(seg.question))
+
+
+def teacher_prompt_ids(example: Example) -> list[int]:
+    return teacher_segments(example).all_ids()
+
+
+# -- the teacher ----------------------------------------------------------------------------------
+@dataclass
+class TeacherTargets:
+    """The teacher's greedy continuation and its next-token log-probs at each position of it."""
+
+    tokens: list[int]  # [T] the continuation (its last token may be the end of turn)
+    logp: torch.Tensor  # [T, vocab] float32, or with top-k [T, k + 1]: the k kept log-probs, then the rest's log-mass
+    index: torch.Tensor | None = None  # [T, k] vocabulary ids of the kept log-probs (top-k); None: the full vocabulary
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"tokens": torch.tensor(self.tokens, dtype=torch.long), "logp": self.logp.contiguous()}
+        if self.index is not None:
+            out["index"] = self.index.contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "TeacherTargets":
+        return cls([int(x) for x in t["tokens"].tolist()], t["logp"], t.get("index"))
+
+
+def compress(logp: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logp` [T, V] as its top-k log-probs plus one column for the log of the remaining mass
+    ([T, k + 1], and the ids [T, k]); topk 0 (or >= V) keeps it whole."""
+    if topk <= 0 or topk >= logp.shape[-1]:
+        return logp, None
+    values, index = logp.topk(topk, dim=-1)
+    rest = logp.scatter(-1, index, float("-inf")).logsumexp(-1, keepdim=True)
+    return torch.cat([values, rest], dim=-1), index
+
+
+@contextlib.contextmanager
+def base_weights(model: Any) -> Iterator[Any]:
+    """The base model inside: a peft model with its adapter switched off, any other model as it is."""
+    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+        with model.disable_adapter():
+            yield model
+    else:
+        yield model
+
+
+@torch.no_grad()
+def generate_targets(model: Any, ids: Sequence[int], n_tokens: int, eos: Iterable[int], topk: int = 0) -> TeacherTargets:
+    """Full Attention over `ids` (the model's own causal attention), then `n_tokens` greedy tokens
+    (fewer when an end-of-turn token comes), with the log-probs each position predicted them from."""
+    device = next(model.parameters()).device
+    stop = set(int(e) for e in eos)
+    cache = empty_cache()
+    n = len(ids)
+    out = model(
+        input_ids=torch.tensor([list(ids)], device=device), position_ids=torch.arange(n, device=device)[None],
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    )
+    tokens, rows = [], []
+    for t in range(n_tokens):
+        logits = out.logits[0, -1].float()
+        rows.append(torch.log_softmax(logits, dim=-1).cpu())
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in stop or t == n_tokens - 1:
+            break
+        out = model(
+            input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[n + t]], device=device),
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+    logp, index = compress(torch.stack(rows), topk)
+    return TeacherTargets(tokens, logp.contiguous(), None if index is None else index.contiguous())
+
+
+class Teacher:
+    """Teacher targets per example, computed once when first needed (in memory, optionally on disk)."""
+
+    def __init__(
+        self, model: Any, eos: Iterable[int], n_tokens: int, topk: int = 0, identity: str = "", cache_dir: str | Path | None = None,
+    ) -> None:
+        self.model = model  # the base weights inside (`base_weights`)
+        self.eos = sorted(int(e) for e in eos)
+        self.n_tokens = int(n_tokens)
+        self.topk = int(topk)
+        self.identity = identity  # the base model's fingerprint: part of every key
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.memory: OrderedDict[str, TeacherTargets] = OrderedDict()
+        self.generated = 0  # targets computed here (not read back from memory or disk)
+
+    def key(self, ids: Sequence[int]) -> str:
+        h = hashlib.sha256(json.dumps([self.identity, self.n_tokens, self.topk, self.eos]).encode())
+        h.update(torch.tensor(list(ids), dtype=torch.long).numpy().tobytes())
+        return h.hexdigest()[:40]
+
+    def targets(self, example: Example) -> TeacherTargets:
+        ids = teacher_prompt_ids(example)
+        key = self.key(ids)
+        hit = self.memory.get(key)
+        if hit is not None:
+            self.memory.move_to_end(key)
+            return hit
+        path = self.cache_dir / f"{key}.safetensors" if self.cache_dir is not None else None
+        if path is not None and path.is_file():
+            found = TeacherTargets.from_tensors(load_file(str(path)))
+        else:
+            with base_weights(self.model) as base:
+                found = generate_targets(base, ids, self.n_tokens, self.eos, self.topk)
+            self.generated += 1
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                save_file(found.tensors(), str(tmp))
+                tmp.replace(path)
+        self.memory[key] = found
+        while len(self.memory) > MEMORY_ENTRIES:
+            self.memory.popitem(last=False)
+        return found
+
+    def attach(self, examples: Sequence[Example]) -> tuple[list[Example], list[TeacherTargets]]:
+        """The examples with the teacher's continuation as their answers, and the targets."""
+        targets = [self.targets(e) for e in examples]
+        return [dataclasses.replace(e, answer=list(t.tokens)) for e, t in zip(examples, targets)], targets
+
+
+# -- the loss ---------------------------------------------------------------------------------------
+def _kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row over the last dimension; a bucket where p has no mass adds nothing."""
+    p = p_logp.exp()
+    return torch.where(p > 0, p * (p_logp - q_logp), torch.zeros_like(p)).sum(-1)
+
+
+def kl_to_teacher(logits: torch.Tensor, targets: Sequence[TeacherTargets]) -> torch.Tensor:
+    """KL(teacher || student) at each predicted position [N] (positions in (batch, position) order,
+    as `batch_logits` returns them). Top-k targets compare the k kept tokens and the rest's mass."""
+    student = torch.log_softmax(logits.float(), dim=-1)
+    teacher = torch.cat([t.logp for t in targets]).to(student.device)
+    if targets[0].index is None:
+        return _kl(teacher, student)
+    index = torch.cat([t.index for t in targets]).to(student.device)
+    kept = student.gather(-1, index)
+    rest = student.scatter(-1, index, float("-inf")).logsumexp(-1, keepdim=True)
+    return _kl(teacher, torch.cat([kept, rest], dim=-1))
+
+
+def distill_loss(
+    model: Any, teacher: Teacher, examples: Sequence[Example], links: torch.Tensor, max_chunks: int, rag: Any = None,
+    rotary: Any = None, ce_weight: float = 0.0,
+) -> torch.Tensor:
+    """The distill loss of a micro-batch: the teacher's targets (computed or cached), then the
+    student's pass over the reused context, teacher-forced over the teacher's tokens; the mean KL
+    over every continuation position of the batch (+ ce_weight x their cross-entropy)."""
+    examples, targets = teacher.attach(examples)
+    context = batch_context(model, examples, rag, rotary)
+    dtype = next(model.parameters()).dtype
+    batch = pass_batch(examples, context, max_chunks, dtype)
+    logits = batch_logits(model, context, batch, links)
+    loss = kl_to_teacher(logits, targets).mean()
+    if ce_weight:
+        loss = loss + ce_weight * torch.nn.functional.cross_entropy(logits.float(), batch.targets)
+    return loss
