@@ -45,6 +45,9 @@ class KVEntry:
     meta: dict[str, str] = field(default_factory=dict)
     token_ids: torch.Tensor | None = None
     tier: str | None = field(default=None, compare=False)
+    # the tensors view a file's mapped pages (disk_map): a store that keeps the entry copies them first,
+    # since a file truncated in place under a live mapping faults its reader (SIGBUS)
+    mapped: bool = field(default=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -13,9 +13,11 @@ copy that follows runs ~7x faster from pinned memory (45 against 6.5 GB/s on an 
 Safety: every byte, header and data, goes through the entry's checksum before any tensor leaves
 (format.decode_entry). The mapping is private (copy-on-write): a caller writing into a returned
 tensor never changes the file, and the pages stay valid after the file is replaced or deleted. The
-store only ever replaces files by rename and deletes them by unlink; a process that truncated an
-entry file in place while its tensors are alive would make their reader fault (SIGBUS). `read=copy`
-(`disk:///path?read=copy`) reads into buffers of the process's own instead.
+store only ever replaces files by rename and deletes them by unlink, but another process may truncate
+an entry file in place (`: > file`, `rsync --inplace`), which makes a reader of its live mapping fault
+(SIGBUS). So a mapped entry lives only as long as one request: it is marked `mapped`, and a store that
+keeps entries (the memory tier a tiered store promotes into) copies it into memory of its own first.
+`read=copy` (`disk:///path?read=copy`) reads into buffers of the process's own instead.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def map_entry(path: str, max_bytes: int | None = None, touch_after_s: float | No
     finally:
         os.close(fd)
     try:
-        return decode_entry(torch.frombuffer(mapped, dtype=torch.uint8)), size
+        entry = decode_entry(torch.frombuffer(mapped, dtype=torch.uint8))
+        entry.mapped = True
+        return entry, size
     except CorruptEntryError as exc:
         return exc, size

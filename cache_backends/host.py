@@ -130,10 +130,10 @@ class HostStore(MemoryStore):
         super().__init__(max_bytes=max_bytes, url=url, device="cpu")
         self.pin = bool(pin) and torch.cuda.is_available()
 
-    def _to_tier(self, t: torch.Tensor) -> torch.Tensor:
+    def _to_tier(self, t: torch.Tensor, mapped: bool = False) -> torch.Tensor:
         if self.pin:
             return t if t.device.type == "cpu" and t.is_pinned() else t.to("cpu").pin_memory()
-        return t.to("cpu")
+        return t.to("cpu", copy=mapped)  # a mapped file's pages: memory of its own (see MemoryStore._to_tier)
 
     def __repr__(self) -> str:
         return f"HostStore(max_bytes={self.max_bytes}, pin={self.pin})"

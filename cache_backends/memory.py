@@ -47,9 +47,12 @@ class MemoryStore:
     def get_many(self, keys: Sequence[str]) -> list[KVEntry | None]:
         return [self.get(k) for k in keys]
 
-    def _to_tier(self, t: torch.Tensor) -> torch.Tensor:
-        """Where this tier keeps a tensor: as given, or copied to its device."""
-        return t if self.device is None else t.to(self.device)
+    def _to_tier(self, t: torch.Tensor, mapped: bool = False) -> torch.Tensor:
+        """Where this tier keeps a tensor: as given, copied to its device, or (a view of a file's mapped
+        pages, which another process could truncate under it) copied into memory of its own."""
+        if self.device is not None:
+            return t.to(self.device, copy=mapped)
+        return t.clone() if mapped else t
 
     def put(self, key: str, entry: KVEntry) -> KVEntry | None:
         """Keep `entry` (moved to this tier's memory); returns the entry as kept, None if too large."""
@@ -59,10 +62,12 @@ class MemoryStore:
             return None  # larger than the whole budget: not kept
         entry = dataclasses.replace(
             entry,
-            keys=self._to_tier(entry.keys),
-            values=self._to_tier(entry.values),
+            keys=self._to_tier(entry.keys, entry.mapped),
+            values=self._to_tier(entry.values, entry.mapped),
             meta=dict(entry.meta),
+            token_ids=entry.token_ids.clone() if entry.mapped and entry.token_ids is not None else entry.token_ids,
             tier=None,
+            mapped=False,
         )
         with self._lock:
             old = self._items.pop(key, None)
