@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from .base import StoreError, user_id_digest
+from .base import StoreError, check_key, user_id_digest
 from .byte_store import ByteStore, Fetched
 from .disk_map import map_entry
 from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, open_entry_file, read_entry  # noqa: F401 - read_entry: store admin's
@@ -55,6 +55,21 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _is_shard(e: os.DirEntry) -> bool:
+    """A two-hex-digit shard folder of this store (never a symlink)."""
+    return len(e.name) == 2 and all(c in "0123456789abcdef" for c in e.name) and e.is_dir(follow_symlinks=False)
+
+
+def _is_entry_name(name: str) -> bool:
+    if not name.endswith(_SUFFIX):
+        return False
+    try:
+        check_key(name[: -len(_SUFFIX)])
+    except StoreError:
+        return False
+    return True
 
 
 class DiskStore(ByteStore):
@@ -155,18 +170,22 @@ class DiskStore(ByteStore):
         return self._path(key).exists()
 
     def _walk(self, temp: bool = False) -> list[os.DirEntry]:
-        """Entry files (or, with temp=True, temp files) under entries/ (and index/ for temp files)."""
+        """Entry files (or, with temp=True, temp files) under entries/ (and index/ for temp files).
+
+        Only what this store could have written: shard folders and files that are no symlinks, files
+        that are regular and whose names are entry names (a key and the suffix) or temp names, so
+        cleaning and eviction never follow a link out of the folder or delete a file it did not make."""
         dirs = []
         for top in os.scandir(self.root / "entries"):
-            if top.is_dir():
-                dirs.extend(m.path for m in os.scandir(top.path) if m.is_dir())
+            if _is_shard(top):
+                dirs.extend(m.path for m in os.scandir(top.path) if _is_shard(m))
         if temp:
-            dirs += [t.path for t in os.scandir(self.root / "index") if t.is_dir()]
-        wanted = (lambda n: n.startswith(_TEMP)) if temp else (lambda n: n.endswith(_SUFFIX))
+            dirs += [t.path for t in os.scandir(self.root / "index") if t.is_dir(follow_symlinks=False)]
+        wanted = (lambda n: n.startswith(_TEMP)) if temp else _is_entry_name
         out = []
         for d in dirs:
             try:
-                out.extend(e for e in os.scandir(d) if wanted(e.name))
+                out.extend(e for e in os.scandir(d) if wanted(e.name) and e.is_file(follow_symlinks=False))
             except FileNotFoundError:
                 continue
         return out

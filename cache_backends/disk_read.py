@@ -27,7 +27,9 @@ checksum is a CorruptEntryError (a clean miss for the store), a missing file a m
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections import deque
 from concurrent.futures import Executor
@@ -47,7 +49,8 @@ WINDOW = 8  # entries a thread opens and prepares in one go (fewer when fewer ar
 PARALLEL = hasattr(os, "preadv")  # positional reads: several threads can read one file at once
 
 
-_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+# never through a symlink, never blocked by a FIFO or device planted at an entry's path
+_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def open_entry_file(path: str, max_bytes: int | None = None) -> tuple[int, os.stat_result] | Fetched:
@@ -58,12 +61,17 @@ def open_entry_file(path: str, max_bytes: int | None = None) -> tuple[int, os.st
     except (FileNotFoundError, NotADirectoryError):
         return None, 0
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink planted at the entry's path: not this store's file
+            return CorruptEntryError("entry path is a symlink"), 0
         raise StoreError(f"cannot read {path}: {exc}") from exc
     try:
         st = os.fstat(fd)
     except OSError as exc:
         os.close(fd)
         raise StoreError(f"cannot read {path}: {exc}") from exc
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the reader for good, a device read forever
+        os.close(fd)
+        return CorruptEntryError("entry path is not a regular file"), 0
     if st.st_size > MAX_ENTRY_BYTES or (max_bytes is not None and st.st_size > max_bytes):
         os.close(fd)
         return CorruptEntryError(f"entry file of {st.st_size} bytes is larger than any valid entry"), 0
