@@ -75,7 +75,7 @@ def method_summary(name: str) -> str:
 # -- cached resources -----------------------------------------------------------------------------
 @st.cache_resource(show_spinner="Loading the model ...")
 def load_engine() -> Any:
-    """The bundled model prepared once per server process (its tuned adapter merged, the gate passed),
+    """The bundled model prepared once per server process (its shipped link embeddings, the gate passed),
     over a memory store; `open_engine` shares it with every store."""
     from kvrag.engine import KVRag
 
@@ -253,7 +253,7 @@ def sidebar_settings(folder: Path) -> Settings:
     names = method_names()
     sb = st.sidebar
     sb.header("Settings")
-    default = load_engine().default_method  # kvlink over the tuned bundled model, else cacheblend
+    default = load_engine().default_method  # DEFAULT_METHOD (kvlink only with a tuned adapter asked for)
     method = sb.selectbox("Method", names, index=names.index(default) if default in names else 0, key="method")
     sb.caption(method_summary(method))
     ratio = sb.slider("Recompute ratio", 0.0, 1.0, DEFAULT_RATIO, 0.01, key="ratio", disabled=method in RATIO_FREE,

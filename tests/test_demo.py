@@ -166,10 +166,9 @@ def test_app_starts_with_the_sample_corpus(app, kvrag_home):
 
 @pytest.mark.smollm
 def test_the_method_defaults_to_the_engines_default(app):
-    from kvrag.links import SHIPPED_ADAPTERS, SHIPPED_DIR
+    from kvrag.options import DEFAULT_METHOD
 
-    tuned = SHIPPED_DIR / SHIPPED_ADAPTERS["bundled:smollm2-135m-instruct"]["tuned"]
-    assert app.selectbox(key="method").value == ("kvlink" if tuned.is_file() else "cacheblend")
+    assert app.selectbox(key="method").value == DEFAULT_METHOD  # the base weights' default: no tuned adapter by default
 
 
 @pytest.mark.smollm
