@@ -8,6 +8,11 @@
 - `tiered://?workers=W&tiers=<url>|<url>|...` — tiers fastest first, `tiers=` last (see tiered.py);
   the older `tiered://?lower=<url>&max_bytes=N` is memory over `<url>`
 
+Disk and Redis stores sign every entry they write and check every entry they read with
+`$KVRAG_STORE_KEY` when it is set (or `key=` on `DiskStore`/`RedisStore`; see format.MacKey), and
+refuse entries over the bound the engine sets from its model (`limit_entry_bytes`, passed on by a
+tiered store to its tiers) before reading them.
+
 Sizes take plain numbers (`2e9` too). An option a store does not know is a StoreURLError (a
 ValueError) naming it and the allowed ones. `default_store_url(root, device)` is the stack to use
 when none is configured: GPU memory -> pinned host -> disk on CUDA, memory -> disk on the CPU.
@@ -24,6 +29,7 @@ from .redis_options import redact_url
 from .base import CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
 from .byte_store import ByteStore
 from .disk import DEFAULT_MAX_BYTES, READ_MODES, DiskStore
+from .format import KEY_ENV, MacKey, entry_bytes_bound
 from .host import HostStore
 from .memory import MemoryStore
 from .tiered import TieredStore
@@ -33,8 +39,10 @@ __all__ = [
     "CorruptEntryError",
     "DiskStore",
     "HostStore",
+    "KEY_ENV",
     "KVEntry",
     "KVStore",
+    "MacKey",
     "MemoryStore",
     "StoreError",
     "StoreStats",
@@ -42,6 +50,7 @@ __all__ = [
     "TieredStore",
     "content_key",
     "default_store_url",
+    "entry_bytes_bound",
     "open_store",
     "tier_urls",
 ]

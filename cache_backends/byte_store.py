@@ -1,4 +1,10 @@
-"""Shared logic of the stores that keep encoded bytes (disk, Redis): decode, verify, count, evict corrupt."""
+"""Shared logic of the stores that keep encoded bytes (disk, Redis): decode, verify, count, evict corrupt.
+
+Both take `key=` (default: `$KVRAG_STORE_KEY`; see format.MacKey): with a key, every entry written
+is signed and every entry read must carry a valid MAC, else it is a logged miss. Both take a bound on
+an entry's size (`limit_entry_bytes`, set by the engine from its model) that a read checks before it
+allocates, maps or decodes anything.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .base import CorruptEntryError, KVEntry, StoreStats, check_key
-from .format import StaleEntryError, decode_entry, encode_entry
+from .format import MacKey, StaleEntryError, decode_entry, encode_entry, mac_key
 
 log = logging.getLogger(__name__)
 
@@ -22,24 +28,36 @@ class ByteStore:
 
     Subclasses implement `_read_many`, `_write`, `_remove`, `_exists`, `_link` and `_resolve`; a
     backend that can read into its own buffers and decode in parallel (disk) overrides `_fetch_many`.
-    `_read_many` may return bytes or 1-D uint8 CPU tensors; entries decoded from a tensor view it.
+    `_read_many` may return bytes or 1-D uint8 CPU tensors (entries decoded from a tensor view it), or
+    the CorruptEntryError it found before reading (a value over the entry limit).
     """
 
     url: str = ""
     tier: str = ""  # the name reported in KVEntry.tier; default: the class name less "Store"
 
-    def __init__(self, quantize: bool = False) -> None:
+    def __init__(self, quantize: bool = False, key: str | bytes | MacKey | None = None) -> None:
+        """`key`: the secret entries are signed and checked with (see format.MacKey); None: from
+        `$KVRAG_STORE_KEY`, unset or empty meaning no key (an empty `key` means none too)."""
         self.quantize = quantize
+        self.mac_key = mac_key(key)
+        self.entry_limit: int | None = None  # bytes; see limit_entry_bytes
         self._stats = StoreStats()
         self._lock = threading.Lock()
 
+    def limit_entry_bytes(self, n: int | None) -> None:
+        """Refuse any entry over `n` bytes as a logged miss, checked before a read allocates or maps
+        it. The engine calls this with its model's largest possible entry (format.entry_bytes_bound);
+        a store shared by engines of several models keeps the largest bound asked for. None lifts it."""
+        with self._lock:
+            self.entry_limit = None if n is None else max(int(n), self.entry_limit or 0)
+
     # -- raw operations, per backend ------------------------------------------------------------
-    def _read_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _read_many(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
         raise NotImplementedError
 
     def _fetch_many(self, keys: Sequence[str]) -> list[Fetched]:
         """Read and decode each key: (entry, bytes read), (CorruptEntryError, bytes read) or (None, 0)."""
-        return [decode_fetched(data) for data in self._read_many(keys)]
+        return [decode_fetched(data, self.mac_key, k, self.entry_limit) for k, data in zip(keys, self._read_many(keys))]
 
     def _write(self, key: str, data: bytes) -> None:
         raise NotImplementedError
@@ -87,8 +105,8 @@ class ByteStore:
         return out
 
     def put(self, key: str, entry: KVEntry) -> None:
-        data = encode_entry(entry, quantize=self.quantize)
-        self._write(check_key(key), data)
+        data = encode_entry(entry, quantize=self.quantize, key=self.mac_key, name=check_key(key))
+        self._write(key, data)
         with self._lock:
             self._stats.puts += 1
             self._stats.bytes_written += len(data)
@@ -114,12 +132,18 @@ class ByteStore:
         return self._resolve([str(u) for u in user_ids])
 
 
-def decode_fetched(data: Any) -> Fetched:
-    """Decode one raw read (bytes, a uint8 tensor, or None for a miss) without raising."""
+def decode_fetched(data: Any, key: MacKey | None = None, name: str = "", limit: int | None = None) -> Fetched:
+    """Decode one raw read (bytes, a uint8 tensor, None for a miss, or the CorruptEntryError the read
+    found) without raising; with `key`, only an entry whose MAC for the store key `name` verifies;
+    with `limit`, only one of at most `limit` bytes."""
     if data is None:
         return None, 0
+    if isinstance(data, CorruptEntryError):
+        return data, 0
     nbytes = data.numel() if isinstance(data, torch.Tensor) else len(data)
+    if limit is not None and nbytes > limit:
+        return CorruptEntryError(f"entry of {nbytes} bytes is over this store's entry limit ({limit} bytes)"), 0
     try:
-        return decode_entry(data), nbytes
+        return decode_entry(data, key, name), nbytes
     except CorruptEntryError as exc:
         return exc, nbytes

@@ -31,12 +31,15 @@ import torch
 from .base import CorruptEntryError, StoreError
 from .byte_store import Fetched
 from .disk_read import open_entry_file
-from .format import decode_entry
+from .format import MacKey, decode_entry
 
 
-def map_entry(path: str, max_bytes: int | None = None, touch_after_s: float | None = None) -> Fetched:
+def map_entry(path: str, max_bytes: int | None = None, touch_after_s: float | None = None,
+              mac_key: MacKey | None = None, key: str = "") -> Fetched:  # fmt: skip
     """Map, verify and decode the entry file at `path`: (entry, bytes), (CorruptEntryError, bytes) or
-    (None, 0) for a missing file. Touches the mtime (LRU) when it is older than `touch_after_s`."""
+    (None, 0) for a missing file. A file over `max_bytes` is refused on its fstat, before it is mapped.
+    With `mac_key`, the entry's MAC for the store key `key` is checked in place of its checksum.
+    Touches the mtime (LRU) when it is older than `touch_after_s`."""
     opened = open_entry_file(path, max_bytes)
     if not isinstance(opened[0], int):
         return opened  # type: ignore[return-value]
@@ -57,7 +60,7 @@ def map_entry(path: str, max_bytes: int | None = None, touch_after_s: float | No
     finally:
         os.close(fd)
     try:
-        entry = decode_entry(torch.frombuffer(mapped, dtype=torch.uint8))
+        entry = decode_entry(torch.frombuffer(mapped, dtype=torch.uint8), mac_key, key)
         entry.mapped = True
         return entry, size
     except CorruptEntryError as exc:

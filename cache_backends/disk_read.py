@@ -20,9 +20,11 @@ and the entry's hasher takes it in order (a single large entry is read by all th
 An entry is hashed by one thread at a time, pieces strictly in file order. With one thread this is
 the plain serial loop: read a piece, hash it.
 
-Verification is unchanged: every byte of an entry, header and data, goes through its checksum
-before `finish_entry` hands out any tensor; a bad header, a file that shrinks while read or a wrong
-checksum is a CorruptEntryError (a clean miss for the store), a missing file a miss.
+Verification: every byte of an entry, header and data, goes through its checksum (or,
+with a store key, its MAC: format.MacKey) before `finish_entry` hands out any tensor; a bad header,
+a file that shrinks while read or a wrong checksum or MAC is a CorruptEntryError (a clean miss for
+the store), a missing file a miss. A file larger than the store's bound is refused on its fstat,
+before any buffer is taken (`open_entry_file`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 from .base import CorruptEntryError, StoreError
 from .byte_store import Fetched
-from .format import MAX_ENTRY_BYTES, MAX_HEADER_BYTES, PreparedEntry, checksum_start, finish_entry, parse_header, prepare_entry
+from .format import MAX_ENTRY_BYTES, MAX_HEADER_BYTES, MacKey, PreparedEntry, checksum_start, finish_entry, parse_header, prepare_entry
 
 PIECE = 1 << 20  # the unit a thread claims and hashes: large enough to keep locking rare, small enough to stay in cache
 FIRST = 64 << 10  # an entry's first piece: enough for its header
@@ -55,7 +57,8 @@ _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW",
 
 def open_entry_file(path: str, max_bytes: int | None = None) -> tuple[int, os.stat_result] | Fetched:
     """Open an entry file for reading: (fd, its stat), or the answer already -- (None, 0) for a
-    missing file, (CorruptEntryError, 0) for one larger than any entry. Unreadable: StoreError."""
+    missing file, (CorruptEntryError, 0) for one larger than any entry or than `max_bytes` (checked
+    on the fstat, so a sparse file of huge apparent size costs nothing). Unreadable: StoreError."""
     try:
         fd = os.open(path, _O_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
@@ -74,7 +77,8 @@ def open_entry_file(path: str, max_bytes: int | None = None) -> tuple[int, os.st
         return CorruptEntryError("entry path is not a regular file"), 0
     if st.st_size > MAX_ENTRY_BYTES or (max_bytes is not None and st.st_size > max_bytes):
         os.close(fd)
-        return CorruptEntryError(f"entry file of {st.st_size} bytes is larger than any valid entry"), 0
+        bound = MAX_ENTRY_BYTES if max_bytes is None else min(max_bytes, MAX_ENTRY_BYTES)
+        return CorruptEntryError(f"entry file of {st.st_size} bytes is larger than any valid entry ({bound} bytes)"), 0
     return fd, st
 
 
@@ -104,6 +108,8 @@ class EntryFile:
     buf: torch.Tensor  # 1-D uint8, exactly the file's size
     touch: bool = False  # refresh the mtime (LRU) once read
     owned: bool = True  # the batch closes the fd
+    mac_key: MacKey | None = None  # the store's key: check the entry's MAC (for the store key `key`) in place of its checksum
+    key: str = ""
     arr: np.ndarray = field(init=False)
     view: memoryview = field(init=False)
     size: int = field(init=False)
@@ -398,7 +404,7 @@ class ReadBatch:
                 return  # a header longer than a piece: wait for the next one
             try:
                 f.header, f.start = parse_header(f.arr[: f.reached])  # numpy: no torch call per step
-                f.hasher = checksum_start(f.arr, f.header, f.start)
+                f.hasher = checksum_start(f.arr, f.header, f.start, f.mac_key, f.key)
                 f.prepared = prepare_entry(f.buf, f.header, f.start)  # views and fields, no data yet
             except CorruptEntryError as exc:  # older formats too: no need to read further
                 self._fail(f, exc)
@@ -420,7 +426,7 @@ class ReadBatch:
             fetched = (CorruptEntryError("entry read incompletely"), f.reached)
         else:
             try:
-                fetched = (finish_entry(f.prepared, f.hasher.hexdigest()), f.size)
+                fetched = (finish_entry(f.prepared, f.hasher.hexdigest(), keyed=f.mac_key is not None), f.size)
             except CorruptEntryError as exc:
                 fetched = (exc, f.size)
         if f.touch:
@@ -441,8 +447,8 @@ class ReadBatch:
         f.pieces = []
 
 
-def read_entry(fd: int, buf: torch.Tensor) -> Fetched:
-    """Read a whole entry file (as long as `buf`) into `buf` on this thread, verify and decode it.
-    The fd stays open (the caller's)."""
-    f = EntryFile(0, f"fd {fd}", fd, buf, owned=False)
+def read_entry(fd: int, buf: torch.Tensor, mac_key: MacKey | None = None, key: str = "") -> Fetched:
+    """Read a whole entry file (as long as `buf`) into `buf` on this thread, verify (with `mac_key`:
+    its MAC for the store key `key`) and decode it. The fd stays open (the caller's)."""
+    f = EntryFile(0, f"fd {fd}", fd, buf, owned=False, mac_key=mac_key, key=key)
     return ReadBatch(lambda i: f, 1).run()[0]

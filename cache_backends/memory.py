@@ -98,6 +98,9 @@ class MemoryStore:
     def prefetch(self, keys: Iterable[str]) -> None:
         """Everything is in memory already."""
 
+    def limit_entry_bytes(self, n: int | None) -> None:
+        """Nothing to bound: every entry here was put by this process (from a verified read or a compute)."""
+
     def link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
         with self._lock:
             for uid, key in zip(user_ids, keys):

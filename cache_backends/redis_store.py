@@ -17,7 +17,12 @@ server costs one `socket_timeout`); a broken pooled connection is retried once, 
 A command the server refuses (OOM under `maxmemory`, a key of the wrong type) is a logged skip or
 a miss, without a back-off. Parts are written, and acknowledged, before the manifest that names
 them, so a reader never sees an entry whose parts are missing. Every count and length read back is
-bounded: a malformed manifest is a logged miss and is deleted, like a corrupt entry.
+bounded: a malformed manifest is a logged miss and is deleted, like a corrupt entry. Values are read
+with GETRANGE up to the entry bound (`max_entry_bytes`, and the engine's `limit_entry_bytes`) plus one
+byte, so a value larger than any entry this model writes costs at most that to find out, never its
+whole length; parts likewise, up to the part size the manifest names.
+
+`key=` (default `$KVRAG_STORE_KEY`): entries are signed and checked with it (see format.MacKey).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from .base import CorruptEntryError, StoreError, check_key
 from .byte_store import ByteStore
+from .format import MacKey
 from .redis_options import RedisOptions, connection_url, url_secrets
 
 log = logging.getLogger(__name__)
@@ -73,8 +79,10 @@ class RedisStore(ByteStore):
         socket_timeout: float | None = None,
         connect_timeout: float | None = None,
         max_entry_bytes: int | None = None,
+        key: str | bytes | MacKey | None = None,
     ) -> None:
-        """Options come from the URL; keyword arguments given (not None) override them."""
+        """Options come from the URL; keyword arguments given (not None) override them. `key`: the
+        secret entries are signed and checked with (default `$KVRAG_STORE_KEY`; see ByteStore)."""
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -84,7 +92,7 @@ class RedisStore(ByteStore):
         o = RedisOptions.from_url(url, ttl=ttl, part_bytes=part_bytes, quantize=quantize,
                                   socket_timeout=socket_timeout, connect_timeout=connect_timeout,
                                   max_entry_bytes=max_entry_bytes)  # fmt: skip
-        super().__init__(quantize=o.quantize)
+        super().__init__(quantize=o.quantize, key=key)
         self.options, self.url, self.ttl, self.part_bytes = o, o.url, o.ttl, o.part_bytes
         self._secrets = url_secrets(url)
         self._down_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -163,25 +171,36 @@ class RedisStore(ByteStore):
     def _name(key: str, part: int = 0) -> str:
         return f"{_PREFIX}{{{key}}}" + (f":p{part}" if part else "")
 
-    def _read_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        def run() -> list[bytes | None]:
+    def _bound(self) -> int:
+        """The most bytes an entry may have: `max_entry_bytes`, and the engine's entry limit."""
+        limit = self.entry_limit
+        return self.options.max_entry_bytes if limit is None else min(limit, self.options.max_entry_bytes)
+
+    def _read_many(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
+        bound = self._bound()
+
+        def run() -> list[bytes | CorruptEntryError | None]:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
-                pipe.get(self._name(k))
+                pipe.getrange(self._name(k), 0, bound)  # at most bound + 1 bytes, whatever is stored
             values = pipe.execute(raise_on_error=False)  # one refused key is a miss, not all of them
-            return [self._join(k, v) for k, v in zip(keys, values)]
+            return [self._join(k, v, bound) for k, v in zip(keys, values)]
 
         return self._call("read", run, [None] * len(keys))
 
-    def _join(self, key: str, value: Any) -> bytes | None:
+    def _join(self, key: str, value: Any, bound: int) -> bytes | CorruptEntryError | None:
         """The entry's bytes from its value: as is, or gathered from the parts its manifest names."""
         if isinstance(value, Exception):
             self._refused("read", value)
             return None
-        if value is None or not value.startswith(_MANIFEST):
+        if not value:  # GETRANGE of a missing key (or of an empty value, which the next put replaces)
+            return None
+        if len(value) > bound:
+            return CorruptEntryError(f"entry value of more than {bound} bytes is over this store's entry limit")
+        if not value.startswith(_MANIFEST):
             return value
         try:
-            return self._read_parts(key, *parse_manifest(value, self.options.max_entry_bytes))
+            return self._read_parts(key, *parse_manifest(value, bound))
         except CorruptEntryError as exc:
             log.warning("deleting corrupt cache entry %s…: %s", key[:12], exc)
             with self._lock:
@@ -196,9 +215,9 @@ class RedisStore(ByteStore):
         for start in range(1, count + 1, _BATCH):
             pipe = self.client.pipeline(transaction=False)
             for i in range(start, min(start + _BATCH, count + 1)):
-                pipe.get(self._name(key, i))
+                pipe.getrange(self._name(key, i), 0, part_bytes or total)  # one byte over says "too long"
             for i, part in enumerate(pipe.execute(), start):
-                if part is None:
+                if not part:  # missing (GETRANGE answers b"")
                     return None
                 size += len(part)
                 if size > total or (part_bytes and i < count and len(part) != part_bytes):
@@ -232,7 +251,8 @@ class RedisStore(ByteStore):
 
     def _remove(self, key: str) -> None:
         def run() -> None:
-            head = self.client.get(self._name(key))
+            # a manifest is at most MAGIC + 12 bytes: one more says "not a manifest" without fetching a large value
+            head = self.client.getrange(self._name(key), 0, len(_MANIFEST) + 12)
             names = [self._name(key)]
             if head is not None and head.startswith(_MANIFEST):
                 try:

@@ -158,6 +158,13 @@ class TieredStore:
         """Each tier's own counters, by tier name."""
         return {name: t.stats() for name, t in zip(self.names, self.tiers)}
 
+    def limit_entry_bytes(self, n: int | None) -> None:
+        """Bound every tier's entries (see ByteStore.limit_entry_bytes); a tier without a bound is left as it is."""
+        for t in self.tiers:
+            limit = getattr(t, "limit_entry_bytes", None)
+            if callable(limit):
+                limit(n)
+
     def link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
         self.lower.link(user_ids, keys)
 

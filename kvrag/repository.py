@@ -17,9 +17,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from kvrag.cache_backends import KVEntry, KVStore, content_key
-from kvrag.cache_backends.format import FORMAT_VERSION
+from kvrag.cache_backends.format import FORMAT_VERSION, entry_bytes_bound
 from kvrag.chunk_index import ChunkIndex, Resolved
-from kvrag.entry_check import entry_problem
+from kvrag.entry_check import entry_problem, kv_shape
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError
 from kvrag.guarded_store import GuardedStore
 from kvrag.layout import PromptLayout
@@ -83,6 +83,9 @@ class KVRepository(ChunkIndex):
         self.lm = lm
         self.layerwise = layerwise
         self.store = store
+        limit = getattr(store, "limit_entry_bytes", None)
+        if callable(limit):  # an entry larger than this model could write is refused before it is read
+            limit(entry_bytes_bound(lm.max_context, *kv_shape(lm), lm.dtype.itemsize))
         self.guarded = GuardedStore(store)
         self.layout = layout
         self.computer = computer
