@@ -7,9 +7,14 @@ and the store's node-id index (so a process that never saw a chunk finds it by i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
+import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from kvrag.cache_backends import KVEntry, content_key
 from kvrag.errors import ChunkNotFoundError, EmptyRetrievalError
@@ -20,6 +25,51 @@ if TYPE_CHECKING:
     from kvrag.guarded_store import GuardedStore
     from kvrag.layout import PromptLayout
     from kvrag.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+_REQUEST_SCOPED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvrag_request_scoped_chunks", default=False)
+MAX_TOMBSTONES = 65536  # forgotten ids remembered where the store cannot unlink them (see `ChunkIndex.unlink`)
+SHARE_SCAN_LIMIT = 10_000  # forgetting an id reads the store's whole id index only up to this many ids
+
+
+@dataclass
+class ForgetReport:
+    deleted: int = 0  # KV entries deleted
+    kept: int = 0  # KV entries kept because another id still refers to them
+    unlinked: bool = False  # the store's id index no longer resolves the ids
+
+
+def _count_files(root: Path, suffix: str, stop: int) -> int:
+    """Files ending in `suffix` under `root` (one level of folders), counting no further than `stop`."""
+    n = 0
+    try:
+        for d in os.scandir(root):
+            if d.is_dir(follow_symlinks=False):
+                for f in os.scandir(d.path):
+                    n += f.name.endswith(suffix)
+                    if n >= stop:
+                        return n
+    except FileNotFoundError:
+        pass
+    return n
+
+
+@contextlib.contextmanager
+def request_scoped_chunks() -> Iterator[None]:
+    """Within this block (this thread or task), chunks passed *with their text* (`chunks=[...]`) are
+    answered from but belong to that one call: they are not registered, their ids are not linked in
+    the store's node-id index, and a registered chunk with the same id keeps its text. Their KV is
+    still read from and written to the store by content key, so a repeated chunk is a cache hit.
+
+    The server answers every chat request inside this scope, so one client's inline chunk never
+    rebinds an id for the others; only an explicit ingest (`precompute`/`register`) binds ids.
+    """
+    token = _REQUEST_SCOPED.set(True)
+    try:
+        yield
+    finally:
+        _REQUEST_SCOPED.reset(token)
 
 
 @dataclass
@@ -61,8 +111,20 @@ class ChunkIndex:
             changed = [c for c in out if self.chunks.get(c.id) != c]
             for c in out:
                 self.chunks[c.id] = c
+            tombstones = self._tombstones
+            for c in out:
+                tombstones.pop(c.id, None)
         self.link(out if relink else changed)
         return out
+
+    @property
+    def _tombstones(self) -> dict[str, None]:
+        """Ids forgotten here whose link the store cannot drop (it has no `unlink`): not resolved
+        through the store's index again until registered anew (oldest dropped past MAX_TOMBSTONES)."""
+        found = self.__dict__.get("_forgotten")
+        if found is None:
+            found = self.__dict__.setdefault("_forgotten", {})
+        return found
 
     @property
     def namespace(self) -> str:
@@ -77,18 +139,138 @@ class ChunkIndex:
             self.guarded.link([f"{self.namespace}/{c.id}" for c in chunks], self.resolve(chunks).keys)
 
     def forget(self, resolved: Resolved) -> int:
-        """Drop these chunks from the registry and delete their KV entries; returns entries deleted."""
-        deleted = 0
-        for c, ids in zip(resolved.chunks, resolved.token_ids):
-            with self._registry_lock:
+        """Drop these chunks' ids and delete the KV entries no other id refers to (see
+        `forget_report`); returns entries deleted."""
+        return self.forget_report(resolved).deleted
+
+    def forget_report(self, resolved: Resolved) -> ForgetReport:
+        """Drop these chunks' ids (from the registry and the store's node-id index) and delete each
+        KV entry that no other id still refers to.
+
+        Entries are content-keyed, so two ids with the same text share one. An entry is kept while
+        another id refers to it: an id registered here with the same tokens, or an id in the store's
+        index pointing to its key. The store's index is searched only where that is cheap
+        (`_index_links`: at most SHARE_SCAN_LIMIT ids); a larger one is not, and an id known only
+        to it (registered by another process) then loses the entry, to be recomputed by a process
+        that knows its text, or to be unknown to one that does not.
+        """
+        gone = {c.id for c in resolved.chunks}
+        with self._registry_lock:
+            contexts: dict[str, str | None] = {}
+            for c in resolved.chunks:
                 self.chunks.pop(c.id, None)
-                context = self.similarity_context.pop(c.id, None)
-            keys = [self.key(KIND_CHUNK, ids)] + ([self.key(KIND_SIMILARITY, ids, context)] if context else [])
+                contexts[c.id] = self.similarity_context.pop(c.id, None) or contexts.get(c.id)
+            others = [c for c in self.chunks.values() if c.id not in gone]
+            other_contexts = dict(self.similarity_context)
+        report = ForgetReport(unlinked=self.unlink(sorted(gone)))
+        by_text: dict[str, list[Chunk]] = {}
+        for o in others:
+            by_text.setdefault(self.layout.chunk_text(o), []).append(o)
+        todo: list[str] = []
+        for c, ids in zip(resolved.chunks, resolved.token_ids):
+            plain = self.key(KIND_CHUNK, ids)
+            # a chunk resolved through the store carries its decoded text (the whole chunk text)
+            candidates = {id(o): o for t in {self.layout.chunk_text(c), c.text} for o in by_text.get(t, ())}
+            sharers = [o for o in candidates.values() if self.key(KIND_CHUNK, self.layout.chunk_ids(o)) == plain]
+            keys = [plain]
+            context = contexts.get(c.id)
+            if context:
+                keys.append(self.key(KIND_SIMILARITY, ids, context))
             for key in keys:
-                if self.guarded.contains(key):
-                    self.guarded.delete(key)
-                    deleted += 1
-        return deleted
+                shared = bool(sharers) if key == plain else any(other_contexts.get(o.id) == context for o in sharers)
+                if shared:
+                    report.kept += int(self.guarded.contains(key))
+                elif key not in todo:
+                    todo.append(key)
+        todo = [k for k in todo if self.guarded.contains(k)]
+        if todo:
+            linked = self._keys_linked_by_others(set(todo), {f"{self.namespace}/{i}" for i in gone})
+            report.kept += sum(k in linked for k in todo)
+            todo = [k for k in todo if k not in linked]
+        for key in todo:
+            self.guarded.delete(key)
+            report.deleted += 1
+        return report
+
+    def _index_store(self) -> object:
+        """The store holding the node-id index: a tiered store keeps it in its bottom tier."""
+        store: object = self.guarded.store
+        while callable(getattr(store, "link", None)) and getattr(store, "lower", None) not in (None, store):
+            store = store.lower  # type: ignore[attr-defined]
+        return store
+
+    def _index_admin(self) -> object | None:
+        """The store-management view (kvrag.store_admin) of the index's store; None for other kinds."""
+        try:
+            from kvrag.store_admin.opening import open_admin
+
+            return open_admin(self._index_store())
+        except Exception:  # a store kind store_admin does not manage
+            return None
+
+    def _index_links(self) -> list | None:
+        """Every link in the store's node-id index, where reading them all is cheap: a memory index,
+        or a disk or Redis one holding at most SHARE_SCAN_LIMIT ids (counted without reading them).
+        None where it is not (or the store fails)."""
+        admin = self._index_admin()
+        if admin is None:
+            return None
+        try:
+            kind = getattr(admin, "kind", "")
+            store = getattr(admin, "store", None)
+            if kind == "redis":
+                n = int(admin.client.hlen(admin.rs._INDEX))  # type: ignore[attr-defined]
+            elif kind == "disk":
+                n = _count_files(Path(store.root) / "index", ".ref", SHARE_SCAN_LIMIT + 1)  # type: ignore[union-attr]
+            elif kind == "memory":
+                n = 0
+            else:
+                return None
+            return admin.links() if n <= SHARE_SCAN_LIMIT else None  # type: ignore[attr-defined]
+        except Exception as exc:  # a store fault never fails a request
+            log.warning("could not read the store's node-id index (%s)", exc)
+            return None
+
+    def _keys_linked_by_others(self, keys: set[str], own: set[str]) -> set[str]:
+        """Which of `keys` some id other than `own` (namespaced ids) still points to in the store's index."""
+        links = self._index_links()
+        if links is None:
+            return set()
+        return {lk.key for lk in links if lk.key in keys and lk.user_id not in own}
+
+    def unlink(self, chunk_ids: Sequence[str]) -> bool:
+        """Drop these ids from the store's node-id index, so no process resolves them through it.
+
+        True when the store dropped them (as far as it tells: the ids no longer resolve). A store
+        this cannot unlink from (another kind) keeps the links; the ids are then remembered here as
+        forgotten, so this process does not resolve them until they are registered anew, and the
+        answer is False.
+        """
+        if not chunk_ids:
+            return True
+        names = [f"{self.namespace}/{i}" for i in chunk_ids]
+        store = self._index_store()
+        try:
+            if callable(getattr(store, "unlink", None)):  # disk, Redis
+                store.unlink(names)  # type: ignore[attr-defined]
+            else:  # memory, host: through their admin view
+                admin = self._index_admin()
+                if admin is not None:
+                    admin.unlink_ids(names)  # type: ignore[attr-defined]
+        except Exception as exc:  # a store fault never fails a request
+            log.warning("store unlink failed (%s)", exc)
+        if not any(self.guarded.resolve(names)):
+            return True
+        if callable(getattr(store, "unlink", None)):
+            return False  # a shared index that failed to drop them: never shadowed here (a re-ingest elsewhere would stay hidden)
+        with self._registry_lock:
+            tombstones = self._tombstones
+            for i in chunk_ids:
+                tombstones.pop(i, None)
+                tombstones[i] = None
+            while len(tombstones) > MAX_TOMBSTONES:
+                tombstones.pop(next(iter(tombstones)))
+        return False
 
     def chunk(self, chunk_id: str) -> Chunk:
         try:
@@ -96,12 +278,14 @@ class ChunkIndex:
         except KeyError:
             raise ChunkNotFoundError(f"unknown chunk id {chunk_id!r}") from None
 
-    def resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK) -> Resolved:
+    def resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK, memo: bool = True) -> Resolved:
+        """The chunks' token ids and keys (`memo=False`: token ids not memoised, see `_ids_once`)."""
+        ids_of = self.layout.chunk_ids if memo else self._ids_once
         res = Resolved(chunks=list(chunks))
         for c in res.chunks:
             if not isinstance(c.text, str) or not c.text.strip():
                 raise ValueError(f"chunk {c.id!r} has no text: a chunk must hold text to be cached or answered from")
-            ids = self.layout.chunk_ids(c)
+            ids = ids_of(c)
             if not ids:
                 raise ValueError(f"chunk {c.id!r} has no tokens (empty text?): it cannot be cached or answered from")
             res.token_ids.append(ids)
@@ -111,6 +295,8 @@ class ChunkIndex:
     def lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None, allow_empty: bool = False) -> Resolved:
         """Chunks given with text, or ids known here, or ids the store's node index can resolve."""
         if chunks:
+            if _REQUEST_SCOPED.get():  # see request_scoped_chunks: answered from, never registered
+                return self.resolve(chunks, memo=False)
             return self.resolve(self.register(chunks, relink=False))
         if not chunk_ids and allow_empty:
             return Resolved(chunks=[])
@@ -132,12 +318,25 @@ class ChunkIndex:
             res.keys.append(self.key(KIND_CHUNK, ids))
         return res
 
+    def _ids_once(self, chunk: Chunk) -> list[int]:
+        """A chunk's token ids without memoising them (ids the layout already memoised are reused), so
+        a stream of one-off request-scoped chunks keeps nothing here."""
+        memo = getattr(self.layout, "_chunk_ids_memo", None)
+        encode = getattr(self.layout, "_encode", None)
+        if memo is None or encode is None:  # another layout: its own chunk_ids
+            return self.layout.chunk_ids(chunk)
+        text = self.layout.chunk_text(chunk)
+        known = memo.get(text)
+        return list(known) if known is not None else list(encode(text))
+
     def _entries_by_id(self, unknown: list[str]) -> dict[str, KVEntry]:
         """Entries of ids this process never saw, through the store's node-id index."""
         if not unknown:
             return {}
-        keys = self.guarded.resolve([f"{self.namespace}/{u}" for u in unknown])
-        found = [(u, k) for u, k in zip(unknown, keys) if k]
+        tombstones = self._tombstones
+        linkable = [u for u in unknown if u not in tombstones]  # forgotten here, the store could not unlink
+        keys = self.guarded.resolve([f"{self.namespace}/{u}" for u in linkable])
+        found = [(u, k) for u, k in zip(linkable, keys) if k]
         entries = self.guarded.get_many([k for _, k in found])
         out = {}
         for (uid, key), entry in zip(found, entries):
@@ -155,7 +354,8 @@ class ChunkIndex:
         """Store keys of these chunks (ids unknown here are resolved through the store's index)."""
         known = list(chunks or ()) + [self.chunks[i] for i in (chunk_ids or ()) if i in self.chunks]
         keys = self.resolve(known).keys
-        unknown = [i for i in (chunk_ids or ()) if i not in self.chunks]
+        tombstones = self._tombstones
+        unknown = [i for i in (chunk_ids or ()) if i not in self.chunks and i not in tombstones]
         if unknown:
             keys += [k for k in self.guarded.resolve([f"{self.namespace}/{u}" for u in unknown]) if k]
         return keys

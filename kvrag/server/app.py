@@ -14,6 +14,7 @@ from kvrag.server.errors import install_error_handlers
 from kvrag.server.gate import RequestGate
 from kvrag.server.limits import LimitsAndCounts
 from kvrag.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvrag.server.schemas import MODEL_ALIAS
 from kvrag.server.settings import ServerSettings
 from kvrag.server.state import ServerState
 from kvrag.version import __version__
@@ -39,7 +40,7 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None) -> FastAPI:
             "status": "ok",
             "version": __version__,
             "model": state.model_name,
-            "store": state.rag.store.url,
+            "store": state.store_kind,  # the kind only: no path, host or credentials
             "uptime_s": round(time.time() - state.started, 3),
             "queue": state.gate.as_dict(),
             "chunks_registered": len(state.rag.repo.chunks),
@@ -51,8 +52,10 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        """OpenAI's model list (some clients call it first): the one model this server serves."""
+        """OpenAI's model list (some clients call it first): the one model this server serves, under
+        its own name and as "kvrag" (the name kvrag's clients send)."""
         state: ServerState = request.app.state.kvrag
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "kvrag"}]}
+        names = dict.fromkeys([state.model_name, MODEL_ALIAS])
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": int(state.started), "owned_by": "kvrag"} for n in names]}
 
     return app

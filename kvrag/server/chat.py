@@ -7,6 +7,7 @@ ride along as `kvrag_stats` (in the last chunk when streaming), with OpenAI's `u
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -15,12 +16,21 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvrag.chunk_index import request_scoped_chunks
 from kvrag.pipeline import AnswerStream
 from kvrag.server.errors import as_api_error, error_body, log
 from kvrag.server.gate import Slot
 from kvrag.server.prompt import chat_prompt, question_of
-from kvrag.server.schemas import ChatRequest, answer_options, check_chunk_count, check_token_count
-from kvrag.server.state import ServerState, in_thread, pieces_async
+from kvrag.server.schemas import (
+    ChatRequest,
+    answer_options,
+    check_chunk_count,
+    check_model,
+    check_supported,
+    check_token_count,
+    message_texts,
+)
+from kvrag.server.state import ServerState, admit, client_gone, in_thread, pieces_async
 from kvrag.types import AnswerStats
 
 router = APIRouter()
@@ -38,10 +48,14 @@ def _finish_reason(stats: AnswerStats, max_new: int) -> str:
 def _starter(state: ServerState, req: ChatRequest) -> Callable[[], AnswerStream]:
     """The engine call that prefills this request (run later, in a worker thread, holding a slot).
 
-    It first checks the request's text against the token limit: the tokenizer runs in that thread
-    too, next to the engine's own tokenisation, never on the event loop.
+    It first checks the request's text against the token limit: every message and every chunk's
+    title and text count. The tokenizer runs in that thread too, next to the engine's own
+    tokenisation, never on the event loop. Inline chunks (`kvrag.chunks`) belong to this request
+    alone (`request_scoped_chunks`): answered from, KV cached by content, never bound to their ids.
     """
-    opts = answer_options(req, state.settings, state.rag.default_method)
+    check_model(req.model, state.model_name, state.settings)
+    check_supported(req)
+    opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts)
     rag, settings, ctx = state.rag, state.settings, req.kvrag
     if ctx is not None and ctx.has_context:
         if ctx.chunk_ids is not None and ctx.chunks is not None:
@@ -49,17 +63,20 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], AnswerStream]
         check_chunk_count(len(ctx.chunk_ids or ctx.chunks or ()), settings)
         question = question_of(req.messages)
         chunks = [c.to_chunk() for c in ctx.chunks] if ctx.chunks is not None else None
+        texts = message_texts(req.messages) + [t for c in ctx.chunks or () for t in c.texts()]
 
         def start() -> AnswerStream:
-            check_token_count(state.count_tokens([question, *(c.text for c in chunks or ())]), settings)
-            return rag.stream(question, ctx.chunk_ids, chunks=chunks, options=opts)
+            check_token_count(state.count_tokens(texts), settings)
+            with request_scoped_chunks():
+                return rag.stream(question, ctx.chunk_ids, chunks=chunks, options=opts)
 
         return start
     prompt = chat_prompt(req.messages)
 
     def start_plain() -> AnswerStream:
-        check_token_count(state.count_tokens([prompt]), settings)
-        return rag.complete(prompt, options=opts)
+        check_token_count(state.count_tokens([prompt]), settings)  # every message, as the engine reads them
+        with request_scoped_chunks():
+            return rag.complete(prompt, options=opts)
 
     return start_plain
 
@@ -131,6 +148,9 @@ async def _events(state: ServerState, stream: AnswerStream, finish: _Finish, req
         stats = stream.stats
         yield _sse(chunk({}, _finish_reason(stats, max_new), usage=_usage(stats), kvrag_stats=stats.as_dict()))
         yield "data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: stop after the token in flight
+        state.metrics.abandoned.labels("decoding").inc()
+        raise
     except Exception as exc:  # the headers are sent: report the error in-band, as OpenAI does
         err = as_api_error(exc)
         yield _sse(error_body(err.status, err.message, err.code))
@@ -142,17 +162,22 @@ async def _events(state: ServerState, stream: AnswerStream, finish: _Finish, req
 async def chat_completions(req: ChatRequest, request: Request) -> Any:
     state: ServerState = request.app.state.kvrag
     try:
-        start = _starter(state, req)  # 400s here, before queueing
+        start = _starter(state, req)  # 400s (and 404 model_not_found) here, before queueing
     except Exception as exc:
         raise as_api_error(exc) from None
     max_new = req.max_completion_tokens or req.max_tokens or state.settings.max_new_tokens
-    slot = await state.gate.acquire()  # QueueFullError -> 503
-    state.metrics.queue_wait.observe(slot.waited_s)
+    slot = await admit(state, request)  # QueueFullError -> 503; None: the client left while queued
+    if slot is None:
+        return client_gone(state, "queued")
     try:
         stream = await in_thread(start)
     except BaseException as exc:
         slot.release()
         raise as_api_error(exc) if isinstance(exc, Exception) else exc
+    if await request.is_disconnected():  # the client left during the prefill: decode nothing
+        slot.release()
+        state.metrics.observe_answer(stream.stats)
+        return client_gone(state, "prefilled")
     req_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         finish = _Finish(state, slot, stream)
@@ -163,7 +188,7 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        text = await _collect(stream, request)
+        text = await _collect(stream, request, state)
     except Exception as exc:
         raise as_api_error(exc) from None
     finally:
@@ -172,12 +197,14 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
     return JSONResponse(_completion(req_id, created, state.model_name, text.strip(), stream.stats, max_new))
 
 
-async def _collect(stream: AnswerStream, request: Request) -> str:
-    """Decode to the end, stopping early if the client went away (its slot is then free sooner)."""
+async def _collect(stream: AnswerStream, request: Request, state: ServerState) -> str:
+    """Decode to the end, stopping after the token in flight if the client went away (its slot is
+    then free sooner). Checking costs one non-blocking receive per token."""
     text = []
     async for piece in pieces_async(stream):
         text.append(piece)
-        if len(text) % 16 == 0 and await request.is_disconnected():
+        if await request.is_disconnected():
             log.info("client disconnected; abandoning its answer after %d pieces", len(text))
+            state.metrics.abandoned.labels("decoding").inc()
             break
     return "".join(text)

@@ -6,24 +6,51 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.convertors import Convertor, register_url_convertor
 
 from kvrag.errors import ChunkNotFoundError
 from kvrag.engine import KVRag
+from kvrag.repository import check_fits
 
 from kvrag.server.errors import APIError, as_api_error
 from kvrag.server.schemas import IngestRequest, check_chunk_count, check_token_count
-from kvrag.server.state import ServerState, in_thread
+from kvrag.server.state import ServerState, admit, client_gone, in_thread
 
 router = APIRouter()
 log = logging.getLogger("kvrag.server")
 
 
+class _AnyText(Convertor[str]):
+    """Starlette's `path` convertor, newlines included: an id registered through the library (or
+    before ingest refused control characters) can still be deleted over HTTP."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("kvrag_chunk_id", _AnyText())
+
+
+def _report(report: Any) -> dict[str, Any]:
+    return {"chunks": report.chunks, "computed": report.computed, "already_cached": report.already_cached,
+            "tokens": report.tokens, "seconds": round(report.seconds, 4)}
+
+
 @router.post("/v1/chunks")
-async def ingest(body: IngestRequest, request: Request) -> dict[str, Any]:
+async def ingest(body: IngestRequest, request: Request) -> Any:
     """Register the chunks by id and compute the KV of those not cached yet.
 
     Response: `{"chunks": n, "computed": n, "already_cached": n, "tokens": n, "seconds": s}`
-    (`tokens`: of the chunks computed now).
+    (`tokens`: of the chunks computed now). Every limit (chunk count, tokens of every title and text,
+    each chunk fitting the model's context) is checked before anything is registered: a refused
+    request leaves no chunk behind, here or in the store's id index. When the store did not keep
+    the KV of some computed chunks (down, frozen, full), the answer is a 503 whose `error.not_stored`
+    lists them (the chunks are registered: they are answered, computing their KV at question time).
     """
     state: ServerState = request.app.state.kvrag
     check_chunk_count(len(body.chunks), state.settings)
@@ -31,44 +58,64 @@ async def ingest(body: IngestRequest, request: Request) -> dict[str, Any]:
     if len(set(ids)) != len(ids):
         raise APIError(400, "chunk ids must be unique within one request", "duplicate_id")
     chunks = [c.to_chunk() for c in body.chunks]
+    texts = [t for c in body.chunks for t in c.texts()]
+    rag = state.rag
 
-    def run() -> dict[str, Any]:
-        check_token_count(state.count_tokens(c.text for c in chunks), state.settings)
-        report = state.rag.precompute(chunks, progress=False)
-        return {"chunks": report.chunks, "computed": report.computed, "already_cached": report.already_cached,
-                "tokens": report.tokens, "seconds": round(report.seconds, 4)}
+    def run() -> Any:
+        check_token_count(state.count_tokens(texts), state.settings)
+        resolved = rag.repo.resolve(chunks, memo=False)  # no text or no tokens: a 400, nothing registered
+        check_fits(rag.lm, rag.layout, chunks, resolved.token_ids)  # too long for the context: a 400, likewise
+        return rag.precompute(chunks, progress=False)
 
-    slot = await state.gate.acquire()  # precompute runs the model: it waits its turn like an answer
-    state.metrics.queue_wait.observe(slot.waited_s)
+    slot = await admit(state, request)  # precompute runs the model: it waits its turn like an answer
+    if slot is None:
+        return client_gone(state, "queued")
     try:
-        out = await in_thread(run)
+        report = await in_thread(run)
     except Exception as exc:
         raise as_api_error(exc) from None
     finally:
         slot.release()
+    out = _report(report)
     state.metrics.precomputed.labels("computed").inc(out["computed"])
     state.metrics.precomputed.labels("already_cached").inc(out["already_cached"])
+    if report.not_stored:
+        state.metrics.precomputed.labels("not_stored").inc(len(report.not_stored))
+        n = len(report.not_stored)
+        raise APIError(
+            503,
+            f"the KV store did not keep the KV of {n} of {report.computed} computed chunks (is it reachable, or full?): "
+            f"{', '.join(map(repr, report.not_stored[:5]))}{' ...' if n > 5 else ''}. The chunks are registered and will be "
+            "computed at question time; retry the ingest once the store is back",
+            "kv_not_stored",
+            headers={"Retry-After": str(state.settings.retry_after_s)},
+            type="server_error",
+            extra={**out, "not_stored": list(report.not_stored)},
+        )
     return out
 
 
 def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
-    """Drop a chunk from the engine's registry and its KV from the store; None when nobody knows it.
+    """Forget one id: drop it from the engine's registry and from the store's node-id index, and
+    delete its KV entries unless another id still refers to them (entries are content-keyed; see
+    `ChunkIndex.forget_report` for how far that is checked); None when nobody knows the id.
 
     A chunk only the store knows (ingested through another replica) is found through the
-    repository's namespaced node-id index. The link itself stays (stores have no unlink yet): it
-    resolves to a missing entry, i.e. an unknown chunk either way.
+    repository's namespaced node-id index. `unlinked`: the store's index no longer resolves the id.
     """
     try:
         resolved = rag.repo.lookup([chunk_id], None)  # with the token ids the entry was stored under
     except ChunkNotFoundError:
         return None
-    removed = rag.repo.forget(resolved)
-    return {"id": chunk_id, "deleted": True, "kv_entries_removed": removed, "unlinked": False}
+    report = rag.repo.forget_report(resolved)
+    return {"id": chunk_id, "deleted": True, "kv_entries_removed": report.deleted, "kv_entries_kept": report.kept,
+            "unlinked": report.unlinked}
 
 
-@router.delete("/v1/chunks/{chunk_id:path}")
+@router.delete("/v1/chunks/{chunk_id:kvrag_chunk_id}")
 async def delete_chunk(chunk_id: str, request: Request) -> dict[str, Any]:
-    """Forget a chunk: `{"id", "deleted": true, "kv_entries_removed": n, "unlinked": bool}`; 404 if unknown."""
+    """Forget a chunk: `{"id", "deleted": true, "kv_entries_removed": n, "kv_entries_kept": n, "unlinked": bool}`
+    (`kept`: entries another id still refers to); 404 if unknown."""
     state: ServerState = request.app.state.kvrag
     out = await in_thread(forget, state.rag, chunk_id)
     if out is None:

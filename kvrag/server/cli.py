@@ -43,6 +43,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                                       "kvlink over a tuned model, else cacheblend)")
     p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
+    p.add_argument("--accept-any-model", action="store_true", default=d.accept_any_model,
+                   help='answer whatever `model` a chat request names (default: only the served model or "kvrag"; others get 404 model_not_found)')
     return p
 
 
@@ -62,6 +64,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         method=args.method,
         recompute_ratio=args.recompute_ratio,
         max_new_tokens=args.max_new_tokens,
+        accept_any_model=args.accept_any_model,
     )
 
 

@@ -96,7 +96,9 @@ def ask_via_server(
 
 def ingest_via_server(url: str, chunks: Iterable[Chunk], batch: int = 64, timeout: float = 600.0) -> dict[str, Any]:
     """Ingest chunks on the server (in requests of `batch`, the server's per-request limit by
-    default); returns the summed report: chunks, computed, already_cached, tokens, seconds."""
+    default); returns the summed report: chunks, computed, already_cached, tokens, seconds.
+    ServerError when the server refuses a batch, or answers that its store did not keep some KV
+    (a 503 naming the chunks; the batches after it are not sent)."""
     items = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
     total = {"chunks": 0, "computed": 0, "already_cached": 0, "tokens": 0, "seconds": 0.0}
     for i in range(0, len(items), batch):
@@ -109,7 +111,10 @@ def ingest_via_server(url: str, chunks: Iterable[Chunk], batch: int = 64, timeou
 def delete_via_server(url: str, chunk_id: str, timeout: float = 60.0) -> dict[str, Any]:
     from urllib.parse import quote
 
-    return _call(url, "/v1/chunks/" + quote(chunk_id, safe=""), "DELETE", None, timeout)
+    segment = quote(chunk_id, safe="")
+    if segment in (".", ".."):  # a dot segment would be resolved away by URL normalisation
+        segment = segment.replace(".", "%2E")
+    return _call(url, "/v1/chunks/" + segment, "DELETE", None, timeout)
 
 
 def health(url: str, timeout: float = 5.0) -> dict[str, Any]:

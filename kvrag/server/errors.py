@@ -20,22 +20,39 @@ from kvrag.server.gate import QueueFullError
 log = logging.getLogger("kvrag.server")
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large", 503: "server_busy"}
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status counted for a request dropped because its client left
 
 
 class APIError(Exception):
-    """An error answer with its status, message and (OpenAI-style) code."""
+    """An error answer with its status, message, (OpenAI-style) code and the parameter at fault;
+    `extra`: more fields of the answer's body, beside `error`."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers
+        self.param, self.type, self.extra = param, type, extra
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "code": code, "param": param}}
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None, type: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"), "code": code, "param": param}}
 
 
 def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+
+
+def api_error_response(err: APIError) -> JSONResponse:
+    body = {**error_body(err.status, err.message, err.code, err.param, err.type), **(err.extra or {})}
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -58,7 +75,8 @@ def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")  # our validators' own messages
+        parts.append(f"{where or 'body'}: {msg}")
     return "invalid request: " + "; ".join(parts)
 
 
@@ -67,7 +85,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.headers)
+        return api_error_response(exc)
 
     @app.exception_handler(QueueFullError)
     async def _busy(request: Request, exc: QueueFullError) -> JSONResponse:
@@ -86,5 +104,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        err = as_api_error(exc)
-        return error_response(err.status, err.message, err.code)
+        return api_error_response(as_api_error(exc))

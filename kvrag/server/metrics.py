@@ -26,6 +26,8 @@ class ServerMetrics:
         self.recomputed = Counter("kvrag_recomputed_tokens", "Chunk tokens recomputed by the selected method", registry=r)
         self.generated = Counter("kvrag_generated_tokens", "Tokens generated", registry=r)
         self.rejected = Counter("kvrag_rejected_busy", "Requests refused with 503 because the queue was full", registry=r)
+        self.abandoned = Counter("kvrag_abandoned_requests", "Requests dropped because their client disconnected, by stage "
+                                 "(queued: never started; prefilled: nothing decoded; decoding: stopped early)", ["stage"], registry=r)
         self.precomputed = Counter("kvrag_ingested_chunks", "Chunks ingested, by outcome", ["outcome"], registry=r)
         queue = Gauge("kvrag_queue_depth", "Requests waiting for an engine slot", registry=r)
         queue.set_function(lambda: gate.waiting)

@@ -1,21 +1,41 @@
 """Request bodies, and how they become engine calls (options, chunks, the prompt).
 
 The chat body is OpenAI's, plus one documented extra field, `kvrag`, carrying the retrieved
-context; fields OpenAI clients send that kvrag has no use for (`user`, `stream_options`, ...) are ignored.
+context; fields OpenAI clients send that change nothing in an answer (`user`, `stream_options`,
+`metadata`, ...) are ignored, while those asking for what kvrag does not do (`tools`,
+`response_format` other than text, `logprobs`, `n` > 1, penalties, `logit_bias`) are a 400
+`unsupported` rather than silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import unicodedata
+from typing import Any, Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvrag.options import DECODE_KEYS, OPTION_KEYS, AnswerOptions
 from kvrag.server.errors import APIError
+from kvrag.server.params import Model, check_method_params
 from kvrag.server.settings import ServerSettings
 from kvrag.types import Chunk
 
 _RESERVED = {*OPTION_KEYS, "options", *DECODE_KEYS}
+MODEL_ALIAS = "kvrag"  # the name every kvrag client sends; always accepted besides the served model's own
+INT64 = 2**63
+
+
+def id_problem(chunk_id: str) -> str | None:
+    """Why a chunk id cannot be ingested over HTTP (None: it can). Control characters (newlines,
+    tabs, NUL, DEL, C1) and lone surrogates are refused: such an id could not be named in a URL path
+    to delete it, nor written to a log line, a Redis field or a terminal unambiguously."""
+    for ch in chunk_id:
+        cat = unicodedata.category(ch)
+        if cat == "Cc":
+            return f"chunk ids must not contain control characters (found {ch!r}); use printable text"
+        if cat == "Cs":
+            return "chunk ids must not contain lone surrogates; use valid Unicode text"
+    return None
 
 
 class ChunkIn(BaseModel):
@@ -26,8 +46,20 @@ class ChunkIn(BaseModel):
     text: str = Field(min_length=1)
     title: str = ""
 
+    @field_validator("id")
+    @classmethod
+    def _printable_id(cls, value: str) -> str:
+        problem = id_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
     def to_chunk(self) -> Chunk:
         return Chunk(id=self.id, text=self.text, title=self.title)
+
+    def texts(self) -> tuple[str, str]:
+        """Every text field the token limit counts."""
+        return self.title, self.text
 
 
 class KVRagContext(BaseModel):
@@ -58,17 +90,98 @@ class ChatRequest(BaseModel):
     """OpenAI's chat completion request (the fields kvrag honours) plus `kvrag`."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None  # the server serves one model; any name is accepted
+    model: str | None = None  # the served model's name or "kvrag" (any with ServerSettings.accept_any_model); absent: the served one
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # absent: greedy (0), not OpenAI's 1
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, le=INT64 - 1)  # OpenAI's: a 64-bit integer
     stream: bool = False
-    n: int | None = Field(default=None, ge=1, le=1)
     kvrag: KVRagContext | None = None
+    # asked of OpenAI, not done here: a 400 `unsupported` unless the value asks for nothing (see check_supported)
+    n: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+
+
+def _off(field: str, value: Any) -> bool:
+    """Whether an OpenAI field's value asks for nothing kvrag would have to do."""
+    if value is None or value is False or value == [] or value == {}:
+        return True
+    if field == "n":
+        return value == 1 and not isinstance(value, bool)
+    if field in ("presence_penalty", "frequency_penalty", "top_logprobs"):
+        return value == 0 and not isinstance(value, bool)
+    if field in ("tool_choice", "function_call"):
+        return value == "none"
+    if field == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text" and set(value) == {"type"}
+    if field == "modalities":
+        return value == ["text"]
+    return False
+
+
+_UNSUPPORTED = {
+    "n": "more than one choice per request is not supported by this server: n must be 1 (send n requests instead)",
+    "tools": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "tool_choice": "tool calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "response_format": 'structured output is not supported by this server: response_format may only be {"type": "text"}',
+    "logprobs": "log probabilities are not returned by this server: logprobs must be false",
+    "top_logprobs": "log probabilities are not returned by this server: top_logprobs must be 0",
+    "logit_bias": "logit_bias is not supported by this server",
+    "presence_penalty": "penalties are not supported by this server: presence_penalty must be 0",
+    "frequency_penalty": "penalties are not supported by this server: frequency_penalty must be 0",
+    "audio": "audio output is not supported by this server",
+    "modalities": 'this server answers with text only: modalities may only be ["text"]',
+    "prediction": "predicted outputs are not supported by this server",
+}
+
+
+def check_supported(req: ChatRequest) -> None:
+    """A 400 `unsupported` naming the first OpenAI field that asks for what this server does not do."""
+    for field, message in _UNSUPPORTED.items():
+        if not _off(field, getattr(req, field)):
+            raise APIError(400, message, "unsupported", param=field)
+
+
+def check_model(name: str | None, served: str, settings: ServerSettings) -> None:
+    """OpenAI answers an unknown model with 404 `model_not_found`; so does this server, unless it is
+    configured to accept any name (`accept_any_model`)."""
+    if name is None or settings.accept_any_model or name in (served, MODEL_ALIAS):
+        return
+    raise APIError(
+        404,
+        f"The model {name[:200]!r} does not exist on this server: it serves {served!r} (also named {MODEL_ALIAS!r})",
+        "model_not_found",
+        param="model",
+        type="invalid_request_error",
+    )
+
+
+def message_texts(messages: Iterable[Message]) -> list[str]:
+    """Every text a chat's messages hold (string contents and the text of content parts)."""
+    out: list[str] = []
+    for m in messages:
+        if isinstance(m.content, str):
+            out.append(m.content)
+        elif isinstance(m.content, list):
+            out.extend(p["text"] for p in m.content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return out
 
 
 class IngestRequest(BaseModel):
@@ -78,14 +191,18 @@ class IngestRequest(BaseModel):
     chunks: list[ChunkIn] = Field(min_length=1)
 
 
-def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str) -> AnswerOptions:
-    """The request's options over the server's defaults; an unknown method or parameter is a 400 now,
+def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str, model: Model | None = None) -> AnswerOptions:
+    """The request's options over the server's defaults; an unknown method or parameter, or a
+    parameter's value the served `model` (its layer count, its link adapter) cannot use, is a 400 now,
     before the request waits for a slot. `default_method` is the engine's (KVRag.default_method): a
-    request and the settings that name no method are checked against the method that will answer."""
+    request and the settings that name no method are checked against the method that will answer.
+    A parameter given as null is the method's default."""
     ctx = req.kvrag or KVRagContext()
     clash = sorted(_RESERVED & set(ctx.params))
     if clash:
         raise APIError(400, f"kvrag.params may hold only the method's own parameters; move {clash} out of it", "invalid_request")
+    params = {k: v for k, v in ctx.params.items() if v is not None}
+    check_method_params(params, model or Model())
     max_new = req.max_completion_tokens or req.max_tokens or settings.max_new_tokens
     if max_new > settings.max_tokens_limit:
         raise APIError(400, f"max_tokens is {max_new} but this server allows at most {settings.max_tokens_limit}", "invalid_request")
@@ -97,7 +214,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=req.stop,
         seed=req.seed,
-        **ctx.params,
+        **params,
     )
     if ctx.kv_kind is not None:
         kwargs["kv_kind"] = ctx.kv_kind

@@ -33,6 +33,7 @@ class ServerSettings:
     method: str | None = None  # the method when a request names none; None: the engine's (KVRag.default_method)
     recompute_ratio: float = 0.15
     max_new_tokens: int = 64  # default max_tokens
+    accept_any_model: bool = False  # True: a chat request may name any model; else only the served one or "kvrag" (404 model_not_found)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:

@@ -3,19 +3,27 @@ routes call the synchronous engine (in a worker thread, never on the event loop)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+from urllib.parse import urlsplit
 
 import anyio.to_thread
+from fastapi import Request
+from fastapi.responses import Response
 
 from kvrag.engine import KVRag
-from kvrag.server.gate import RequestGate
+from kvrag.server.errors import CLIENT_CLOSED, log
+from kvrag.server.gate import RequestGate, Slot
 from kvrag.server.metrics import ServerMetrics
+from kvrag.server.params import Model
 from kvrag.server.settings import ServerSettings
 
 T = TypeVar("T")
 _END = object()
+DISCONNECT_POLL_S = 0.1  # how often a queued request looks whether its client is still there
 
 
 @dataclass
@@ -33,6 +41,69 @@ class ServerState:
     def count_tokens(self, texts: Iterable[str]) -> int:
         tok = self.rag.lm.tokenizer
         return sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts if t)
+
+    @cached_property
+    def model_facts(self) -> Model:
+        """What the method-parameter checks need: the layer count and the link adapter's K."""
+        from kvrag.model import decoder_of
+
+        try:
+            n_layers: int | None = len(decoder_of(self.rag.lm.model).layers)
+        except Exception:  # an engine stand-in without a decoder stack: layers checked loosely
+            n_layers = None
+        adapter = getattr(self.rag, "link_adapter", None)
+        return Model(n_layers, getattr(adapter, "link_tokens", None))
+
+    @property
+    def store_kind(self) -> str:
+        """The store's kind as a URL with nothing identifying in it (no path, host, user or password):
+        `memory://`, `disk://`, `redis://`, `tiered://?tiers=host://|redis://`."""
+        return store_kind(self.rag.store)
+
+
+def store_kind(store: Any) -> str:
+    tiers = getattr(store, "tiers", None)
+    if isinstance(tiers, (list, tuple)) and tiers:
+        return "tiered://?tiers=" + "|".join(store_kind(t) for t in tiers)
+    scheme = urlsplit(str(getattr(store, "url", "") or "")).scheme.lower()
+    return f"{scheme}://" if scheme.isalnum() else type(store).__name__
+
+
+async def admit(state: ServerState, request: Request) -> Slot | None:
+    """An engine slot for this request (QueueFullError when the queue is full), or None when its
+    client disconnects while it waits: a request nobody will read never starts, and its place in the
+    queue is free at once. Looks every DISCONNECT_POLL_S, and once more when the slot comes."""
+    waiting = asyncio.ensure_future(state.gate.acquire())
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+            if done:
+                slot = waiting.result()
+                break
+            if await request.is_disconnected():
+                waiting.cancel()
+                try:
+                    late = await waiting  # the slot came as we cancelled: give it back
+                except asyncio.CancelledError:
+                    pass
+                else:
+                    late.release()
+                return None
+    except asyncio.CancelledError:  # the request itself is cancelled (server shutting down)
+        waiting.cancel()
+        raise
+    state.metrics.queue_wait.observe(slot.waited_s)
+    if await request.is_disconnected():
+        slot.release()
+        return None
+    return slot
+
+
+def client_gone(state: ServerState, stage: str) -> Response:
+    """The answer to a request whose client has left (nobody reads it; the status is for the metrics)."""
+    log.info("client disconnected while its request was %s; dropped", stage)
+    state.metrics.abandoned.labels(stage).inc()
+    return Response(status_code=CLIENT_CLOSED)
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
