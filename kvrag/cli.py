@@ -144,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
     ev.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv)")
     ev.add_argument("--device", default="auto")
+    ev.add_argument("--report-only", action="store_true", help="no new answers: the table of what OUT holds so far")
 
     from kvrag.check import add_check_model_parser
 

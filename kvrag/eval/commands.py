@@ -153,7 +153,7 @@ def cmd_bench_deviation(args: argparse.Namespace) -> int:
 def cmd_eval_suite(args: argparse.Namespace) -> int:
     """`kvrag eval suite`: every set at every length over the base weights (and the tuned adapter's
     kvlink), the rule applied; see kvrag.eval.suite."""
-    from kvrag.eval.suite import SETS, TUNED, run_suite, write_suite
+    from kvrag.eval.suite import SETS, TUNED, collect, run_suite, write_suite
     from kvrag.links import SHIPPED_ADAPTERS, SHIPPED_DIR
 
     sets = [s for s in args.sets.split(",") if s]
@@ -163,6 +163,11 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "sets": sets, "lengths": lengths}
+    if args.report_only:  # what is answered so far: no model, no new answers
+        verdict = write_suite(collect(out, sets, lengths), out, {**meta, "partial": True})
+        print((out / "suite.md").read_text())
+        return 0
     store = args.store or f"disk://{(out / 'kv').resolve()}"
     rag = KVRag.from_pretrained(args.model, store=store, device=args.device, link_adapter=BASE_WEIGHTS)
     variants = {}
@@ -174,8 +179,7 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
         variants[TUNED] = KVRag(rag.lm, store=rag.store, layout=rag.layout, check=False, link_adapter=tuned)
     sizes = {s: args.n for s in sets} if args.n else None
     results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes)
-    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "model": rag.lm.source, "tuned": tuned,
-            "sets": sets, "lengths": lengths}
+    meta.update(model=rag.lm.source, tuned=tuned)
     verdict = write_suite(results, out, meta)
     print((out / "suite.md").read_text())
     print(f"default by the rule: {verdict['default']}; results in {out}/ (suite.md, suite.json, suite.png)", file=sys.stderr)

@@ -91,6 +91,26 @@ def run_suite(rag: Any, variants: dict[str, Any], sets: Sequence[str], lengths: 
     return results
 
 
+def collect(out: Path, sets: Sequence[str], lengths: Sequence[int]) -> dict[str, Any]:
+    """The blocks already answered under OUT (no model): a checkpoint's table, or a report after a run.
+    A block is summarised over the questions every setting has answered, so rows stay paired."""
+    results: dict[str, Any] = {}
+    for name in sets:
+        for length in lengths:
+            path = out / name / f"len{length}" / "records.jsonl"
+            if not path.is_file():
+                continue
+            records = load_records(path)
+            settings = {r["setting"] for r in records}
+            done = [ex for ex in dict.fromkeys(r["example"] for r in records)
+                    if {r["setting"] for r in records if r["example"] == ex} == settings]
+            keep = [r for r in records if r["example"] in set(done)]
+            if keep:
+                results[f"{name}/{length}"] = {"set": name, "kind": SETS[name].kind, "length": length, "n": len(done),
+                                               "rows": summarize(keep)}
+    return results
+
+
 def _row(block: dict[str, Any], setting: str) -> dict[str, Any] | None:
     return next((r for r in block["rows"] if r["setting"] == setting), None)
 
@@ -159,6 +179,9 @@ def suite_markdown(results: dict[str, Any], verdict: dict[str, Any], meta: dict[
         "Attention over the same prompt in the same run; TTFT is the median per-question ratio base Full ÷ setting.", "",
         f"**Default chosen by the rule: `{verdict['default']}`** (tuned adapter passes: {verdict['tuned_passes']}).", "",
     ]
+    if meta.get("partial"):
+        lines[-2:-2] = ["**Partial**: the sets and lengths answered so far (each block over the questions every setting "
+                        "answered); `kvrag eval suite --out DIR` again completes it.", ""]
     lines += [f"- {r}" for r in verdict["tuned_fails"]] + ([""] if verdict["tuned_fails"] else [])
     lines += ["| set | tokens | n | setting | contained | F1 | agreement w/ base Full | first-token KL | recomputed | TTFT Full ÷ setting |",
               "|---|---|---|---|---|---|---|---|---|---|"]
