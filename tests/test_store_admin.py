@@ -326,3 +326,14 @@ def test_redis_unlink_primitive(redis_url):
     assert store.resolve(["x", "y"]) == [None, content_key("2")]
     store.put(content_key("e"), entry())
     assert store_stats(open_admin(redis_url))["entries"] == 1
+
+
+@needs_redis
+def test_a_redis_db_out_of_range_is_one_line_with_the_password_hidden(redis_url, capsys):
+    """Issue #37: `kvrag store stats` on db 99 printed a 58-line traceback."""
+    from kvrag.cli import main
+
+    host = redis_url.split("://", 1)[1].split("/", 1)[0]
+    assert main(["store", "stats", "--store", f"redis://:secret@{host}/99"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "out of range" in err and "secret" not in err and "Traceback" not in err

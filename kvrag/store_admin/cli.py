@@ -95,6 +95,32 @@ def _document_ids(paths: Sequence[str], collection: str) -> tuple[list[str], dic
 
 
 def cmd_store(args: argparse.Namespace) -> int:
+    """`kvrag store ...`; a store that cannot be reached or refuses (a Redis db out of range, a
+    password it rejects) is a one-line error, not a traceback."""
+    try:
+        return _store_command(args)
+    except Exception as exc:  # noqa: BLE001 - narrowed below: only the store's own failures become one line
+        if not _is_store_failure(exc):
+            raise
+        from kvrag.cache_backends.tiered import redact_tiers
+
+        where = redact_tiers(args.store) if args.store else "(default)"
+        raise KVRagError(f"store {where}: {type(exc).__name__}: {exc}") from None
+
+
+def _is_store_failure(exc: BaseException) -> bool:
+    from kvrag.cache_backends import StoreError
+
+    if isinstance(exc, (StoreError, ConnectionError, TimeoutError)):
+        return True
+    try:
+        from redis.exceptions import RedisError
+    except ImportError:  # pragma: no cover - no redis client: no Redis store either
+        return False
+    return isinstance(exc, RedisError)
+
+
+def _store_command(args: argparse.Namespace) -> int:
     admin = open_admin(args.store)
     out = sys.stdout
     if args.store_command == "stats":
