@@ -183,6 +183,8 @@ def suite_markdown(results: dict[str, Any], verdict: dict[str, Any], meta: dict[
         lines[-2:-2] = ["**Partial**: the sets and lengths answered so far (each block over the questions every setting "
                         "answered); `kvrag eval suite --out DIR` again completes it.", ""]
     lines += [f"- {r}" for r in verdict["tuned_fails"]] + ([""] if verdict["tuned_fails"] else [])
+    lines += ["Answer-contained per set (the default in bold, with its agreement with base Full and TTFT ratio):", "",
+              pivot_markdown(results), "Every column:", ""]
     lines += ["| set | tokens | n | setting | contained | F1 | agreement w/ base Full | first-token KL | recomputed | TTFT Full ÷ setting |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for block in results.values():
@@ -194,6 +196,30 @@ def suite_markdown(results: dict[str, Any], verdict: dict[str, Any], meta: dict[
     lines += ["", "Sets:"] + [f"- `{k}`: {s.kind}" for k, s in SETS.items() if any(b["set"] == k for b in results.values())]
     lines += ["", "Sets kept at every setting's floor (kv75 on a 135M model) measure speed and fidelity, not task skill."]
     return "\n".join(lines) + "\n"
+
+
+def pivot_markdown(results: dict[str, Any]) -> str:
+    """One line per set and length: answer-contained of each setting (agreement with base Full and the
+    TTFT ratio beside the default's), the compact view the README shows."""
+    blocks = list(results.values())
+    if not blocks:
+        return ""
+    names = [r["setting"] for r in blocks[0]["rows"]]
+    default = Setting(DEFAULT_METHOD, DEFAULT_RATIO).name
+    head = "| set | tokens | n | " + " | ".join(f"`{n}`" for n in names) + " |\n|---|---|---|" + "---|" * len(names) + "\n"
+    lines = []
+    for b in blocks:
+        cells = []
+        for name in names:
+            r = _row(b, name)
+            if r is None:
+                cells.append("–")
+            elif name == default:
+                cells.append(f"**{r['contains']:.3f}** (agr {r['agree']:.2f}, {r['ttft_ratio']:.1f}×)")
+            else:
+                cells.append(f"{r['contains']:.3f}")
+        lines.append(f"| {b['set']} | {b['length']} | {b['n']} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
 
 
 def suite_plot(results: dict[str, Any], path: Path) -> Path | None:
