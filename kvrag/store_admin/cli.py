@@ -109,9 +109,8 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def _is_store_failure(exc: BaseException) -> bool:
-    from kvrag.cache_backends import StoreError
-
-    if isinstance(exc, (StoreError, ConnectionError, TimeoutError)):
+    """A failure of the store's client library; StoreError is a KVRagError already (one line as it is)."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     try:
         from redis.exceptions import RedisError
