@@ -5,17 +5,11 @@ weights, whatever the method), an explicit ratio 0 stays Full Reuse, and the sta
 import pytest
 import torch
 
-from kvrag import Chunk, KVRag, from_model
+from kvrag import KVRag, from_model
 from kvrag.options import DEFAULT_MIN_RECOMPUTE, AnswerOptions
+from test_quality_options import CHUNKS, IDS, Q  # three ~90-character chunks and a question about the first
 from tiny import tiny_model, tiny_tokenizer
 
-CHUNKS = [
-    Chunk("a", "The cat sat on the mat and purred all afternoon long, then slept by the warm fire."),
-    Chunk("b", "Volcanoes erupt lava, ash and gas from deep below the crust of the planet Earth."),
-    Chunk("c", "Stock markets rose today after the central bank spoke about its interest rates."),
-]
-IDS = [c.id for c in CHUNKS]
-Q = "What did the cat do?"
 METHODS = ["reuse", "cacheblend", "epic", "a3", "fusionrag", "samkv", "kvlink"]
 
 
