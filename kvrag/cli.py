@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     ing.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_CHUNK_TOKENS,
                      help=f"hard cap on a chunk's tokens (default {DEFAULT_MAX_CHUNK_TOKENS})")
     ing.add_argument("--batch-size", type=positive_int, default=8, help="chunks per forward pass (default 8)")
+    ing.add_argument("--follow-symlinks", action="store_true",
+                     help="in folders, follow symlinks that lead out of the folder (default: skipped and named; "
+                          "a file named on the command line is always read)")
 
     rm = sub.add_parser("remove", help="remove ingested documents: their chunks from the index and their KV from the store",
                         epilog="example: kvrag remove notes.md")
@@ -219,49 +222,10 @@ def _index(args: argparse.Namespace):
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from kvrag.documents import load_documents
+    """Check every file before any model loads, then chunk, store and index in streamed batches (kvrag.ingest)."""
+    from kvrag.ingest import run_ingest
 
-    for path in args.paths:
-        if not Path(path).exists():
-            raise KVRagError(f"no such file or folder: {path}")
-    if args.server:
-        return _ingest_via_server(args)
-    rag, index = _open(args)
-    chunks = load_documents(args.paths, max_words=args.max_words, max_tokens=args.max_tokens, tokenizer=rag.lm.tokenizer)
-    if not chunks:
-        print("no text found in the given paths", file=sys.stderr)
-        return 1
-    index.add(chunks)
-    report = rag.precompute(chunks, batch_size=args.batch_size, progress=True)
-    print(
-        f"ingested {report.chunks} chunks ({report.computed} computed, {report.already_cached} already cached, "
-        f"{report.tokens} tokens) in {report.seconds:.1f}s; store {rag.store.url}",
-        file=sys.stderr,
-    )
-    if report.not_stored:
-        print(
-            f"kvrag: error: the KV of {len(report.not_stored)} of {report.computed} computed chunks was not stored "
-            f"(is the store at {rag.store.url} reachable?); they will be computed at question time. "
-            f"First ids: {', '.join(report.not_stored[:5])}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def _ingest_via_server(args: argparse.Namespace) -> int:
-    from kvrag.documents import load_documents
-    from kvrag.server.client import ingest_via_server
-
-    chunks = load_documents(args.paths, max_words=args.max_words, max_tokens=args.max_tokens)
-    if not chunks:
-        print("no text found in the given paths", file=sys.stderr)
-        return 1
-    _index(args).add(chunks)
-    report = ingest_via_server(args.server, chunks)
-    print(f"ingested {report['chunks']} chunks ({report['computed']} computed, {report['already_cached']} already cached, "
-          f"{report['tokens']} tokens) in {report['seconds']:.1f}s on {args.server}", file=sys.stderr)
-    return 0
+    return run_ingest(args, lambda: _open(args), lambda: _index(args))
 
 
 def _ask_via_server(args: argparse.Namespace, params: dict) -> int:

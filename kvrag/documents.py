@@ -7,22 +7,29 @@ Every chunk is bounded: at most `max_words` words and at most `max_tokens` token
 the tokenizer when one is given; without one, at most `max_tokens * BYTES_PER_TOKEN_BOUND` UTF-8
 bytes). Text the word splitter cannot cut (a run without spaces) is cut on characters. Files whose
 bytes are not text (NUL bytes, invalid UTF-8, many control characters) are refused with
-`NotTextError`, naming the file.
+`NotTextError`, naming the file (`check_document` checks a file without chunking it).
+
+Files are read as they are chunked (`iter_file_chunks`, `iter_documents`): a .txt or .md file a line
+at a time, a .jsonl one a row at a time, so memory does not grow with a file's size. Walking a folder
+does not follow symlinks that lead out of it unless asked (`follow_symlinks=True`); a file named
+explicitly is read as given.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
-import io
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvrag.errors import ContextTooLongError
+from kvrag.folders import SkippedPath, walk_folder
+from kvrag.splitting import BYTES_PER_TOKEN_BOUND, DEFAULT_MAX_CHUNK_TOKENS, Packer, cap, check_limits, count_tokens, split_text
 from kvrag.types import Chunk
 
 __all__ = [
@@ -30,11 +37,16 @@ __all__ = [
     "DEFAULT_MAX_CHUNK_TOKENS",
     "NotTextError",
     "SUPPORTED_EXTENSIONS",
+    "SkippedPath",
     "check_chunk_lengths",
+    "check_document",
     "chunk_id",
     "count_tokens",
     "document_chunk_ids",
+    "document_files",
     "is_text",
+    "iter_documents",
+    "iter_file_chunks",
     "load_documents",
     "read_text_file",
     "split_text",
@@ -42,16 +54,9 @@ __all__ = [
 ]
 
 SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl")
-DEFAULT_MAX_CHUNK_TOKENS = 256
-# Without a tokenizer a chunk is kept under max_tokens * 4 UTF-8 bytes: about max_tokens tokens of
-# ordinary text, and never more than 4 * max_tokens even for a tokenizer that spends a token per byte.
-BYTES_PER_TOKEN_BOUND = 4
 # Share of control characters (other than tab, newlines, form feed) above which a file is not text.
 MAX_CONTROL_SHARE = 0.01
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
-# The cut search looks at most this many characters per token ahead (a piece may come out shorter
-# than the cap allows for text whose tokens are longer; never longer).
-_CHARS_PER_TOKEN_WINDOW = 8
 
 
 class NotTextError(ValueError):
@@ -89,61 +94,6 @@ def read_text_file(path: str | os.PathLike[str]) -> str:
     return text_or_raise(p.read_bytes(), str(p))
 
 
-def count_tokens(text: str, tokenizer: Any = None) -> int:
-    """Tokens of `text` with `tokenizer` (no special tokens); without one, the byte bound's estimate:
-    ceil(UTF-8 bytes / BYTES_PER_TOKEN_BOUND)."""
-    if tokenizer is None:
-        return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN_BOUND)
-    if hasattr(tokenizer, "chunk_ids") and hasattr(tokenizer, "tokenizer"):  # a PromptLayout
-        tokenizer = tokenizer.tokenizer
-    if callable(tokenizer):
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return len(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _cut(text: str, max_tokens: int, count: Any) -> list[str]:
-    """Cut `text` into pieces of at most `max_tokens` tokens (by `count`), at word ends where a word fits,
-    else inside the word. Pieces are stripped; joined back they hold every non-space character in order."""
-    out: list[str] = []
-    rest = text.strip()
-    window = max(1, max_tokens * _CHARS_PER_TOKEN_WINDOW)
-    while rest:
-        if len(rest) <= window and count(rest) <= max_tokens:
-            out.append(rest)
-            break
-        head = rest[:window]
-        ends = [m.end() for m in re.finditer(r"\S+", head)]
-        if len(head) < len(rest) and ends and ends[-1] == len(head) and not rest[len(head)].isspace():
-            ends.pop()  # the window cut the last word: it is not a word end
-        # largest number of whole words that fits (token counts grow with the prefix)
-        lo, hi = 0, len(ends)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if count(head[: ends[mid - 1]]) <= max_tokens:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo:
-            cut = ends[lo - 1]
-        else:  # not even the first word fits: cut inside it, on characters
-            first_end = ends[0] if ends else len(head)
-            lo, hi = 1, first_end
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if count(head[:mid]) <= max_tokens:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            cut = lo
-        while cut > 1 and count(head[:cut]) > max_tokens:  # counts need not grow strictly: make sure
-            cut -= 1
-        out.append(rest[:cut].strip())
-        rest = rest[cut:].strip()
-    return [piece for piece in out if piece]
-
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")
-# A word that ends a sentence: . ! or ? possibly followed by closing quotes/brackets.
-_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*$")
 _HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
 _FENCE = re.compile(r"^ {0,3}(```|~~~)")
 
@@ -151,99 +101,6 @@ _FENCE = re.compile(r"^ {0,3}(```|~~~)")
 def chunk_id(title: str, text: str) -> str:
     """Content-addressed id: first 16 hex digits of sha256(title + "\\n" + text)."""
     return hashlib.sha256(f"{title}\n{text}".encode("utf-8")).hexdigest()[:16]
-
-
-def _sentences(words: list[str]) -> list[list[str]]:
-    """Group a paragraph's words into sentences (a sentence ends at . ! ? plus closers)."""
-    out: list[list[str]] = []
-    current: list[str] = []
-    for word in words:
-        current.append(word)
-        if _SENTENCE_END.search(word):
-            out.append(current)
-            current = []
-    if current:
-        out.append(current)
-    return out
-
-
-def split_text(
-    text: str, max_words: int = 120, max_tokens: int | None = DEFAULT_MAX_CHUNK_TOKENS, tokenizer: Any = None
-) -> list[str]:
-    """Split text into chunks of at most `max_words` words and `max_tokens` tokens, keeping every word in order.
-
-    Paragraphs (separated by blank lines) are packed together while they fit; a paragraph
-    longer than `max_words` is cut at sentence ends, and a sentence still too long is cut
-    every `max_words` words. Whitespace inside a paragraph is collapsed to single spaces;
-    paragraphs packed into one chunk stay separated by a blank line.
-
-    A chunk over `max_tokens` tokens (counted by `tokenizer`; without one, over
-    `max_tokens * BYTES_PER_TOKEN_BOUND` UTF-8 bytes) is cut again at word ends, and a word
-    that alone is too long (a run without spaces) on characters. `max_tokens=None`: no token cap.
-    """
-    if max_words < 1:
-        raise ValueError(f"max_words must be >= 1, got {max_words}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    chunks = _split_words(text, max_words)
-    if max_tokens is None:
-        return chunks
-
-    def count(piece: str) -> int:
-        return count_tokens(piece, tokenizer)
-
-    out: list[str] = []
-    for chunk in chunks:
-        # cheap test first: a chunk of few bytes cannot hold many tokens
-        if len(chunk.encode("utf-8")) <= max_tokens or count(chunk) <= max_tokens:
-            out.append(chunk)
-        else:
-            out.extend(_cut(chunk, max_tokens, count))
-    return out
-
-
-def _split_words(text: str, max_words: int) -> list[str]:
-    # Units: (paragraph number, words). Each unit has at most max_words words.
-    units: list[tuple[int, list[str]]] = []
-    for p, paragraph in enumerate(_PARAGRAPH_BREAK.split(text)):
-        words = paragraph.split()
-        if not words:
-            continue
-        if len(words) <= max_words:
-            units.append((p, words))
-            continue
-        for sentence in _sentences(words):
-            for start in range(0, len(sentence), max_words):
-                units.append((p, sentence[start : start + max_words]))
-
-    chunks: list[str] = []
-    current: list[tuple[int, list[str]]] = []
-    size = 0
-
-    def flush() -> None:
-        if not current:
-            return
-        parts: list[str] = []
-        last_p = None
-        for p, words in current:
-            piece = " ".join(words)
-            if last_p is None:
-                parts.append(piece)
-            elif p == last_p:
-                parts.append(" " + piece)
-            else:
-                parts.append("\n\n" + piece)
-            last_p = p
-        chunks.append("".join(parts))
-
-    for p, words in units:
-        if current and size + len(words) > max_words:
-            flush()
-            current, size = [], 0
-        current.append((p, words))
-        size += len(words)
-    flush()
-    return chunks
 
 
 @dataclass(frozen=True)
@@ -260,43 +117,70 @@ def _chunks_for(title: str, text: str, source: str, limits: _Limits) -> list[Chu
     ]
 
 
-def _load_txt(path: Path, limits: _Limits) -> list[Chunk]:
-    return _chunks_for(path.stem, read_text_file(path), str(path), limits)
+def _capped_chunks(title: str, texts: Iterable[str], source: str, limits: _Limits) -> Iterator[Chunk]:
+    """Chunks of packed texts (the packer's output) after the token cap, as `split_text` gives them."""
+    for piece in cap(texts, limits.max_tokens, limits.tokenizer):
+        yield Chunk(id=chunk_id(title, piece), text=piece, title=title, metadata={"source": source})
 
 
-def _markdown_sections(text: str, default_title: str) -> Iterator[tuple[str, str]]:
-    """(title, body) per section; a section runs from one heading to the next.
-
-    Headings inside fenced code blocks are ignored (a `# comment` in code is not a title).
-    """
-    title = default_title
-    body: list[str] = []
-    in_fence = False
-    for line in text.splitlines():
-        if _FENCE.match(line):
-            in_fence = not in_fence
-        elif not in_fence:
-            m = _HEADING.match(line)
-            if m:
-                yield title, "\n".join(body)
-                title, body = (m.group(2).strip() or default_title), []
-                continue
-        body.append(line)
-    yield title, "\n".join(body)
+# A line that separates paragraphs (the content between two "\n" that the paragraph break in kvrag.splitting matches).
+_BLANK_LINE = re.compile(r"[ \t\r\f\v]*")
+_READ_BLOCK = 1 << 20
 
 
-def _load_md(path: Path, limits: _Limits) -> list[Chunk]:
-    chunks: list[Chunk] = []
-    for title, body in _markdown_sections(read_text_file(path), path.stem):
-        chunks.extend(_chunks_for(title, body, str(path), limits))
-    return chunks
+def _not_text(path: Path, reason: str) -> NotTextError:
+    return NotTextError(f"{path}: not a text file ({reason}); only UTF-8 text can be ingested")
 
 
-def _load_jsonl(path: Path, limits: _Limits) -> list[Chunk]:
-    """Rows are either one document ({"text", "title"?, "id"?}) or a set of passages ({"ctxs": [...]})."""
-    source = str(path)
-    chunks: list[Chunk] = []
-    for lineno, line in enumerate(io.StringIO(read_text_file(path)), start=1):
+def _lines(path: Path, on_bytes: Callable[[int], None] | None = None) -> Iterator[str]:
+    """The file's lines, split at "\n" only (kept), decoded as they are read (a leading BOM
+    dropped): NotTextError at NUL bytes or invalid UTF-8. `on_bytes(n)` after each line's n bytes."""
+    with open(path, "rb") as f:
+        offset = 0
+        for raw in f:
+            if b"\x00" in raw:
+                raise _not_text(path, "it contains NUL bytes")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_text(path, f"it is not valid UTF-8 (byte {offset + e.start})") from None
+            if offset == 0 and line.startswith("\ufeff"):
+                line = line[1:]
+            offset += len(raw)
+            if on_bytes is not None:
+                on_bytes(len(raw))
+            yield line
+
+
+def _check_text(path: Path) -> None:
+    """NotTextError unless the whole file is text (see `is_text`), read a block at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = chars = controls = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_READ_BLOCK)
+            if b"\x00" in block:
+                raise _not_text(path, "it contains NUL bytes")
+            pending = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                raise _not_text(path, f"it is not valid UTF-8 (byte {offset - pending + e.start})") from None
+            if chars == 0 and text.startswith("\ufeff"):
+                text = text[1:]
+            chars += len(text)
+            controls += len(_CONTROL.findall(text))
+            offset += len(block)
+            if not block:
+                break
+    if chars and controls > MAX_CONTROL_SHARE * chars:
+        raise _not_text(path, "too many of its characters are control characters")
+
+
+def _jsonl_rows(path: Path, on_bytes: Callable[[int], None] | None = None) -> Iterator[dict[str, Any]]:
+    """Rows are either one document ({"text", "title"?, "id"?}) or a set of passages ({"ctxs": [...]});
+    ValueError naming the file and line of the first that is neither."""
+    for lineno, line in enumerate(_lines(path, on_bytes), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -310,65 +194,89 @@ def _load_jsonl(path: Path, limits: _Limits) -> list[Chunk]:
             for j, ctx in enumerate(row["ctxs"]):
                 if not isinstance(ctx, dict) or not isinstance(ctx.get("text"), str):
                     raise ValueError(f"{where}: ctxs[{j}] must be an object with a string 'text'")
-                chunks.extend(_chunks_for(str(ctx.get("title") or ""), ctx["text"], source, limits))
-        elif isinstance(row.get("text"), str):
+        elif not isinstance(row.get("text"), str):
+            raise ValueError(
+                f"{where}: expected an object with a string 'text' (optional 'title', 'id') "
+                "or a 'ctxs' list of {title, text} passages"
+            )
+        yield row
+
+
+def _stream_txt(path: Path, limits: _Limits, on_bytes: Callable[[int], None] | None) -> Iterator[Chunk]:
+    packer, title, source = Packer(limits.max_words), path.stem, str(path)
+    for line in _lines(path, on_bytes):
+        content = line[:-1] if line.endswith("\n") else line
+        done = packer.end_paragraph() if _BLANK_LINE.fullmatch(content) else packer.words(content.split())
+        yield from _capped_chunks(title, done, source, limits)
+    yield from _capped_chunks(title, packer.finish(), source, limits)
+
+
+def _stream_md(path: Path, limits: _Limits, on_bytes: Callable[[int], None] | None) -> Iterator[Chunk]:
+    """Sections run from one heading to the next, titled by it (the file's stem before the first);
+    headings inside fenced code blocks are ignored (a `# comment` in code is not a title)."""
+    packer, title, source = Packer(limits.max_words), path.stem, str(path)
+    in_fence = False
+    for raw in _lines(path, on_bytes):
+        for line in raw.splitlines():  # the lines str.splitlines gives for the whole text
+            if _FENCE.match(line):
+                in_fence = not in_fence
+            elif not in_fence:
+                m = _HEADING.match(line)
+                if m:
+                    yield from _capped_chunks(title, packer.finish(), source, limits)
+                    title, packer = (m.group(2).strip() or path.stem), Packer(limits.max_words)
+                    continue
+            done = packer.end_paragraph() if _BLANK_LINE.fullmatch(line) else packer.words(line.split())
+            yield from _capped_chunks(title, done, source, limits)
+    yield from _capped_chunks(title, packer.finish(), source, limits)
+
+
+def _stream_jsonl(path: Path, limits: _Limits, on_bytes: Callable[[int], None] | None) -> Iterator[Chunk]:
+    source = str(path)
+    for row in _jsonl_rows(path, on_bytes):
+        if isinstance(row.get("ctxs"), list):
+            for ctx in row["ctxs"]:
+                yield from _chunks_for(str(ctx.get("title") or ""), ctx["text"], source, limits)
+        else:
             title = str(row.get("title") or "")
             pieces = _chunks_for(title, row["text"], source, limits)
             if len(pieces) == 1 and row.get("id") is not None:
                 only = pieces[0]
                 pieces = [Chunk(id=str(row["id"]), text=only.text, title=title, metadata=only.metadata)]
-            chunks.extend(pieces)
-        else:
-            raise ValueError(
-                f"{where}: expected an object with a string 'text' (optional 'title', 'id') "
-                "or a 'ctxs' list of {title, text} passages"
-            )
-    return chunks
+            yield from pieces
 
 
-_LOADERS = {".txt": _load_txt, ".md": _load_md, ".jsonl": _load_jsonl}
+_LOADERS = {".txt": _stream_txt, ".md": _stream_md, ".jsonl": _stream_jsonl}
 
 
-def _files_under(folder: Path) -> list[Path]:
-    """Supported files below `folder`, recursively, in a stable order; hidden entries skipped."""
-    found = []
-    for p in folder.rglob("*"):
-        rel = p.relative_to(folder)
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        if p.is_file() and p.suffix.lower() in _LOADERS:
-            found.append(p)
-    return sorted(found)
+def check_document(path: str | os.PathLike[str]) -> None:
+    """Read a file once, a block at a time, and raise what ingesting it would: NotTextError if its
+    bytes are not UTF-8 text, ValueError naming the line of a .jsonl row of the wrong shape, OSError
+    if it cannot be read. Checking every file first lets an ingest refuse or skip a bad one before
+    any of it is indexed."""
+    p = Path(path)
+    _check_text(p)
+    if p.suffix.lower() == ".jsonl":
+        for _ in _jsonl_rows(p):
+            pass
 
 
-def load_documents(
-    paths: Sequence[str | os.PathLike[str]],
-    max_words: int = 120,
-    max_tokens: int | None = DEFAULT_MAX_CHUNK_TOKENS,
-    tokenizer: Any = None,
-) -> list[Chunk]:
-    """Chunks from files and folders (recursively) of .txt, .md and .jsonl.
-
-    Unsupported files inside folders are skipped; a missing path, or an unsupported file named
-    explicitly, raises ValueError; a file whose bytes are not UTF-8 text raises NotTextError (a
-    ValueError) naming it. Chunks with the same id are kept once (first wins). Each chunk has at
-    most `max_words` words and `max_tokens` tokens (see `split_text`; pass the model's tokenizer
-    for an exact count). Titles: the file stem for .txt, the nearest preceding heading for .md
-    (else the stem), the row's or passage's `title` for .jsonl.
-    """
+def document_files(
+    paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+    follow_symlinks: bool = False,
+    skipped: list[SkippedPath] | None = None,
+) -> list[Path]:
+    """The files `load_documents` reads for `paths`: a file named is read as given (through a symlink
+    too); a folder is walked for .txt/.md/.jsonl files (hidden entries skipped, symlinks leaving it
+    not followed unless `follow_symlinks`: each one is appended to `skipped`, with the folders
+    that could not be listed). A missing path, or an unsupported file named explicitly, raises ValueError."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    if max_words < 1:
-        raise ValueError(f"max_words must be >= 1, got {max_words}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    limits = _Limits(max_words, max_tokens, tokenizer)
-
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files.extend(_files_under(path))
+            files.extend(walk_folder(path, _LOADERS, follow_symlinks, skipped))
         elif path.is_file():
             if path.suffix.lower() not in _LOADERS:
                 raise ValueError(
@@ -376,17 +284,85 @@ def load_documents(
                     f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
                 )
             files.append(path)
+        elif path.exists():
+            raise ValueError(f"not a regular file or folder: {path}")
         else:
             raise ValueError(f"no such file or folder: {path}")
+    return list(dict.fromkeys(files))
 
+
+def iter_file_chunks(
+    path: str | os.PathLike[str],
+    max_words: int = 120,
+    max_tokens: int | None = DEFAULT_MAX_CHUNK_TOKENS,
+    tokenizer: Any = None,
+    check: bool = True,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[Chunk]:
+    """One file's chunks, as `load_documents` gives them, produced as the file is read: memory holds
+    about one chunk of it (a .txt or .md file is read a line at a time, a .jsonl one a row at a time).
+
+    `check` (default): the whole file is checked first (`check_document`), so a file that is not
+    text raises before any of its chunks is produced; without it a NUL byte or invalid UTF-8 raises
+    NotTextError where it is read. `on_bytes(n)` is called as each n bytes of the file are read.
+    Chunks repeated within the file are not dropped here (`iter_documents` does).
+    """
+    check_limits(max_words, max_tokens)
+    p = Path(path)
+    loader = _LOADERS.get(p.suffix.lower())
+    if loader is None:
+        raise ValueError(f"unsupported file type {p.suffix or '(none)'!r} for {p}; supported: {', '.join(SUPPORTED_EXTENSIONS)}")
+    return _file_chunks(p, loader, _Limits(max_words, max_tokens, tokenizer), check, on_bytes)
+
+
+def _file_chunks(path: Path, loader: Any, limits: _Limits, check: bool, on_bytes: Callable[[int], None] | None) -> Iterator[Chunk]:
+    if check:
+        check_document(path)
+    yield from loader(path, limits, on_bytes)
+
+
+def iter_documents(
+    paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+    max_words: int = 120,
+    max_tokens: int | None = DEFAULT_MAX_CHUNK_TOKENS,
+    tokenizer: Any = None,
+    follow_symlinks: bool = False,
+) -> Iterator[Chunk]:
+    """`load_documents` as a generator: chunks are produced as the files are read, so memory does not
+    grow with the files' size (beyond the ids seen, kept to drop repeats). The paths are checked
+    (missing, unsupported) when it is called; each file's content when it is reached."""
+    check_limits(max_words, max_tokens)
+    files = document_files(paths, follow_symlinks)
+    return _unique(c for f in files for c in iter_file_chunks(f, max_words, max_tokens, tokenizer))
+
+
+def _unique(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
     seen: set[str] = set()
-    chunks: list[Chunk] = []
-    for file in files:
-        for chunk in _LOADERS[file.suffix.lower()](file, limits):
-            if chunk.id not in seen:
-                seen.add(chunk.id)
-                chunks.append(chunk)
-    return chunks
+    for chunk in chunks:
+        if chunk.id not in seen:
+            seen.add(chunk.id)
+            yield chunk
+
+
+def load_documents(
+    paths: Sequence[str | os.PathLike[str]],
+    max_words: int = 120,
+    max_tokens: int | None = DEFAULT_MAX_CHUNK_TOKENS,
+    tokenizer: Any = None,
+    follow_symlinks: bool = False,
+) -> list[Chunk]:
+    """Chunks from files and folders (recursively) of .txt, .md and .jsonl.
+
+    Unsupported files inside folders are skipped, and so are symlinks that lead out of a folder
+    (unless `follow_symlinks`; a file named explicitly is read as given); a missing path, or an
+    unsupported file named explicitly, raises ValueError; a file whose bytes are not UTF-8 text
+    raises NotTextError (a ValueError) naming it. Chunks with the same id are kept once (first
+    wins). Each chunk has at most `max_words` words and `max_tokens` tokens (see `split_text`; pass
+    the model's tokenizer for an exact count). Titles: the file stem for .txt, the nearest preceding
+    heading for .md (else the stem), the row's or passage's `title` for .jsonl. `iter_documents`
+    gives the same chunks one at a time, as the files are read.
+    """
+    return list(iter_documents(paths, max_words, max_tokens, tokenizer, follow_symlinks))
 
 
 def document_chunk_ids(

@@ -59,17 +59,36 @@ class KVComputer:
 
         `context` holds extra tokens placed between the prefix and the chunk whose KV is then
         dropped; similarity-guided preprocessing uses it to let a chunk see its neighbours.
+        Every chunk's KV is held until the end: to store as you go, use `iter_chunk_kv`.
         """
         out: list[LayerStack | None] = [None] * len(chunks)
-        ctx = [list(c) for c in context] if context is not None else [[] for _ in chunks]
-        order = sorted(range(len(chunks)), key=lambda i: len(ctx[i]) + len(chunks[i]))
         bar = tqdm(total=len(chunks), desc="chunk KV", unit="chunk", disable=not progress)
-        for batch in _batches(order, batch_size):
-            for i, stack in zip(batch, self._chunk_batch(prefix, [ctx[i] for i in batch], [chunks[i] for i in batch])):
+        for batch in self.iter_chunk_kv(prefix, chunks, batch_size, context):
+            for i, stack in batch:
                 out[i] = stack
             bar.update(len(batch))
         bar.close()
         return out  # type: ignore[return-value]
+
+    def iter_chunk_kv(
+        self,
+        prefix: LayerStack,
+        chunks: Sequence[Sequence[int]],
+        batch_size: int = 8,
+        context: Sequence[Sequence[int]] | None = None,
+    ) -> Iterator[list[tuple[int, LayerStack]]]:
+        """`chunk_kv` one forward batch at a time: yields [(position in `chunks`, KV)] per batch
+        (chunks of similar length together), holding nothing once the caller lets a batch go, so a
+        caller that stores each batch before asking for the next keeps one batch's KV in memory."""
+        ctx = [list(c) for c in context] if context is not None else [[] for _ in chunks]
+        order = sorted(range(len(chunks)), key=lambda i: len(ctx[i]) + len(chunks[i]))
+        for batch in _batches(order, batch_size):
+            with torch.no_grad():
+                stacks = self._chunk_batch(prefix, [ctx[i] for i in batch], [chunks[i] for i in batch])
+            out = list(zip(batch, stacks))
+            del stacks
+            yield out
+            del out  # before the next batch is computed
 
     def _chunk_batch(self, prefix: LayerStack, ctxs: list[list[int]], chunks: list[Sequence[int]]) -> list[LayerStack]:
         model, device = self.lm.model, self.lm.device

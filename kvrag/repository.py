@@ -8,11 +8,12 @@ back, and a store fault is a logged miss (see `GuardedStore`), never a failed re
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Sized
 
 import torch
 
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 # What a key is made of beyond the tokens: bump KEY_SCHEMA when the meaning of an entry changes.
 KEY_SCHEMA = "kvrag-key-2"
 QUESTION_ROOM = 64  # tokens kept free for a question when checking that a chunk fits the context
+# precompute takes chunks this many at a time: registered, tokenised, looked up, computed and stored
+# before the next group is read (each forward batch of a group is stored as soon as it is computed)
+STORE_GROUP = 128
 
 
 @dataclass
@@ -57,6 +61,28 @@ def check_fits(lm: LoadedModel, layout: PromptLayout, chunks: Sequence[Chunk], t
                 f"chunk {c.id!r} has {len(ids)} tokens but at most {room} fit in the model's context with a question: "
                 "split it into smaller chunks (kvrag.documents caps chunks at 256 tokens by default)"
             )
+
+
+def _progress_bar(progress: Any, total: int | None) -> tuple[Any, bool]:
+    """(bar, whether it is ours to close) for a `progress` argument: True (a new bar), False/None
+    (none), or a tqdm-like object (used as it is)."""
+    if progress is None or progress is False:
+        return None, False
+    if progress is True:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="chunk KV", unit="chunk"), True
+    return progress, False
+
+
+def _groups(chunks: Iterable[Chunk], size: int) -> Iterator[list[Chunk]]:
+    """`chunks` in lists of `size` (the last shorter), read only as far as each list needs."""
+    it = iter(chunks)
+    while True:
+        group = list(itertools.islice(it, size))
+        if not group:
+            return
+        yield group
 
 
 def on_host(entry: KVEntry, pin: bool) -> LayerStack:
@@ -150,38 +176,91 @@ class KVRepository(ChunkIndex):
         self,
         chunks: Iterable[Chunk],
         batch_size: int | None = None,
-        progress: bool = True,
+        progress: Any = True,
         kind: str = KIND_CHUNK,
         neighbours: Mapping[str, Sequence[str]] | None = None,
         top_n: int = 2,
         index: Any = None,
     ) -> PrecomputeReport:
-        """Compute and store the KV of every chunk not cached yet (see `KVRag.precompute`)."""
+        """Compute and store the KV of every chunk not cached yet (see `KVRag.precompute`).
+
+        It streams: `chunks` (any iterable, a generator too) is taken STORE_GROUP chunks at a time,
+        each group tokenised, checked against the context and looked up in the store, every forward
+        batch's KV written to the store as soon as it is computed and then dropped, and the group
+        registered (its ids linked in the store's id index) once its KV is stored. Memory does not
+        grow with the number of chunks, and an interrupted precompute keeps every batch it stored (a
+        rerun finds them cached) and links no id to KV it did not store. A chunk too long for the context (or
+        without text) is refused before its group is computed; the groups before it stay stored.
+        `progress`: True (a bar of its own), False, or a tqdm-like object whose `update(n)` is called
+        as chunks are found cached or computed. For `kind="similarity"` every chunk is registered
+        and the neighbours found before the first group is computed.
+        """
         t0 = time.perf_counter()
         if kind not in CHUNK_KINDS:
             raise ValueError(f"kind must be one of {CHUNK_KINDS}, got {kind!r}")
-        resolved = self.resolve(self.register(chunks), kind)
-        context: list[list[int]] | None = None
+        source: Iterable[Chunk] = chunks
         if kind == KIND_SIMILARITY:  # the neighbours are part of the entry's identity (and key)
-            context = self._neighbour_context(resolved.chunks, neighbours, top_n, index)
-            for i, (c, ctx) in enumerate(zip(resolved.chunks, context)):
-                self.similarity_context[c.id] = content_key(f"top_n={top_n}", ctx)
-                resolved.keys[i] = self.similarity_key(c, resolved.token_ids[i])
-        report = PrecomputeReport(chunks=len(resolved.chunks))
-        missing = [i for i, k in enumerate(resolved.keys) if not self.guarded.contains(k)]
-        report.already_cached = len(resolved.chunks) - len(missing)
-        if missing:
-            check_fits(self.lm, self.layout, [resolved.chunks[i] for i in missing], [resolved.token_ids[i] for i in missing])
-            self.compute_and_store(resolved, missing, batch_size, progress, kind, [context[i] for i in missing] if context else None)
-            report.not_stored = [resolved.chunks[i].id for i in missing if not self.guarded.contains(resolved.keys[i])]
-            report.computed = len(missing)
-            report.tokens = sum(len(resolved.token_ids[i]) for i in missing)
+            source = self.register(chunks)
+            neighbours = self._neighbour_map(source, neighbours, top_n, index)
+        report = PrecomputeReport()
+        bar, own_bar = _progress_bar(progress, len(source) if isinstance(source, Sized) else None)
+        try:
+            for group in _groups(source, STORE_GROUP):
+                self._precompute_group(group, batch_size, bar, kind, neighbours, top_n, report)
+        finally:
+            if own_bar:
+                bar.close()
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _neighbour_context(
+    def _precompute_group(
+        self,
+        group: list[Chunk],
+        batch_size: int | None,
+        bar: Any,
+        kind: str,
+        neighbours: Mapping[str, Sequence[str]] | None,
+        top_n: int,
+        report: PrecomputeReport,
+    ) -> None:
+        resolved = self.resolve(group, kind, memo=False)  # precompute fills no memo: the chunks may never be asked
+        if kind == KIND_SIMILARITY:
+            context: list[list[int]] | None = [self._context_ids(c, neighbours or {}) for c in group]
+            for i, (c, ctx) in enumerate(zip(group, context)):
+                self.similarity_context[c.id] = content_key(f"top_n={top_n}", ctx)
+                resolved.keys[i] = self.similarity_key(c, resolved.token_ids[i])
+        else:
+            context = None
+        missing = [i for i, k in enumerate(resolved.keys) if not self.guarded.contains(k)]
+        if bar is not None and len(group) > len(missing):
+            bar.update(len(group) - len(missing))
+        if missing:
+            check_fits(self.lm, self.layout, [resolved.chunks[i] for i in missing], [resolved.token_ids[i] for i in missing])
+            self.compute_and_store(resolved, missing, batch_size, bar, kind, [context[i] for i in missing] if context else None, keep=False)
+            report.not_stored += [resolved.chunks[i].id for i in missing if not self.guarded.contains(resolved.keys[i])]
+            report.computed += len(missing)
+            report.tokens += sum(len(resolved.token_ids[i]) for i in missing)
+        if kind != KIND_SIMILARITY:  # registered (and linked in the store's id index) once its KV is stored
+            self._register_resolved(group, resolved.keys if kind == KIND_CHUNK else [self.key(KIND_CHUNK, ids) for ids in resolved.token_ids])
+        report.chunks += len(group)
+        report.already_cached += len(group) - len(missing)
+
+    def _register_resolved(self, chunks: Sequence[Chunk], plain_keys: Sequence[str]) -> None:
+        """`register(chunks)` with their plain keys already known (no second tokenisation, no memo)."""
+        with self._registry_lock:
+            for c in chunks:
+                self.chunks[c.id] = c
+            tombstones = self._tombstones
+            for c in chunks:
+                tombstones.pop(c.id, None)
+        if chunks:
+            self.guarded.link([f"{self.namespace}/{c.id}" for c in chunks], list(plain_keys))
+
+    def _neighbour_map(
         self, chunks: list[Chunk], neighbours: Mapping[str, Sequence[str]] | None, top_n: int, index: Any
-    ) -> list[list[int]]:
+    ) -> Mapping[str, Sequence[str]]:
+        """Each chunk's neighbours (given, else from `index`, else by embedding among the chunks this
+        engine knows), every one of them known here (ChunkNotFoundError before anything is computed)."""
         if neighbours is None:
             if index is not None:
                 neighbours = neighbours_from_index(index, chunks, top_n)
@@ -191,37 +270,54 @@ class KVRepository(ChunkIndex):
         unknown = sorted({n for c in chunks for n in neighbours.get(c.id, ()) if n not in self.chunks})
         if unknown:
             raise ChunkNotFoundError(f"neighbour chunk ids not known to the engine: {unknown[:5]}; register() or precompute() them")
-        context = []
-        for c in chunks:
-            ids: list[int] = []
-            for n in neighbours.get(c.id, ()):
-                ids.extend(self.layout.chunk_ids(self.chunks[n]))
-            context.append(ids)
-        return context
+        return neighbours
+
+    def _context_ids(self, chunk: Chunk, neighbours: Mapping[str, Sequence[str]]) -> list[int]:
+        ids: list[int] = []
+        for n in neighbours.get(chunk.id, ()):
+            ids.extend(self.layout.chunk_ids(self.chunks[n]))
+        return ids
 
     def compute_and_store(
         self,
         resolved: Resolved,
         idx: list[int],
         batch_size: int | None,
-        progress: bool,
+        progress: Any,
         kind: str = KIND_CHUNK,
         context: list[list[int]] | None = None,
+        keep: bool = True,
     ) -> list[LayerStack]:
-        stacks = self.computer.chunk_kv(
-            self.prefix_kv(),
-            [resolved.token_ids[i] for i in idx],
-            batch_size=batch_size or self.batch_size,
-            progress=progress,
-            context=context,
-        )
-        for i, (k, v) in zip(idx, stacks):
+        """Compute the KV of `resolved`'s chunks at `idx` and store each forward batch's entries as
+        soon as the batch is computed. Returns the KV in `idx` order (`keep=False`: nothing is
+        kept, each batch is dropped once stored, and the answer is [])."""
+        out: list[LayerStack | None] | None = [None] * len(idx) if keep else None
+        bar, own_bar = _progress_bar(progress, len(idx))
+        try:
+            for batch in self.computer.iter_chunk_kv(
+                self.prefix_kv(), [resolved.token_ids[i] for i in idx], batch_size=batch_size or self.batch_size, context=context
+            ):
+                self._store_batch(resolved, idx, batch, kind, out)
+                if bar is not None:
+                    bar.update(len(batch))
+                del batch  # stored: nothing here holds its KV while the next batch is computed
+        finally:
+            if own_bar:
+                bar.close()
+        return out if out is not None else []  # type: ignore[return-value]
+
+    def _store_batch(
+        self, resolved: Resolved, idx: list[int], batch: list[tuple[int, LayerStack]], kind: str, out: list[LayerStack | None] | None
+    ) -> None:
+        for j, (k, v) in batch:
+            i = idx[j]
             ids = resolved.token_ids[i]
             entry = KVEntry(k, v, meta=self.entry_meta(kind, len(ids)), token_ids=torch.tensor(ids, dtype=torch.int64))
             key = self.similarity_key(resolved.chunks[i], ids) if kind == KIND_SIMILARITY else self.key(kind, ids)
             if key is not None:
                 self.guarded.put(key, entry)
-        return stacks
+            if out is not None:
+                out[j] = (k, v)
 
     # -- loading --------------------------------------------------------------------------------
     def read_ahead(self, resolved: Resolved) -> None:

@@ -97,10 +97,13 @@ class ChunkIndex:
             configuration={"hnsw": {"space": "cosine"}},
         )
 
-    def add(self, chunks: Sequence[Chunk], batch_size: int = 256) -> int:
+    def add(self, chunks: Sequence[Chunk], batch_size: int = 256, skip_unchanged: bool = False) -> int:
         """Insert or replace chunks by id; returns how many distinct ids were written.
 
         A repeated id within one call keeps its last occurrence (later wins, as with upsert).
+        `skip_unchanged`: a chunk already in the index with the same text, title and metadata is
+        left as it is (not embedded again), so re-running an ingest costs no embedding for what it
+        already indexed; the count is then of the chunks written.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -114,6 +117,8 @@ class ChunkIndex:
             batch_size = min(batch_size, int(self._client.get_max_batch_size()))
         except Exception:  # pragma: no cover - older clients lack the call
             pass
+        if skip_unchanged:
+            items = self._changed(items, batch_size)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             self._collection.upsert(
@@ -122,6 +127,17 @@ class ChunkIndex:
                 metadatas=[_simple_metadata(c) for c in batch],  # type: ignore[misc]
             )
         return len(items)
+
+    def _changed(self, items: list[Chunk], batch_size: int) -> list[Chunk]:
+        """Those of `items` that are not in the index as they are (text and metadata, title included)."""
+        stored: dict[str, tuple[Any, Any]] = {}
+        for start in range(0, len(items), batch_size):
+            ids = [c.id for c in items[start : start + batch_size]]
+            result = self._collection.get(ids=ids, include=["documents", "metadatas"])
+            docs = result.get("documents") or [None] * len(result["ids"])
+            metas = result.get("metadatas") or [None] * len(result["ids"])
+            stored.update((i, (d, dict(m or {}))) for i, d, m in zip(result["ids"], docs, metas))
+        return [c for c in items if stored.get(c.id) != (c.text, _simple_metadata(c))]
 
     def query(self, question: str, k: int = 5) -> list[Chunk]:
         """The k chunks closest in meaning to `question`, best first ([] if the index is empty)."""
