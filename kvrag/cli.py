@@ -385,7 +385,7 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def cmd_suite(args: argparse.Namespace) -> int:
     from kvrag.eval.commands import cmd_eval_suite
 
     return cmd_eval_suite(args)
@@ -409,7 +409,7 @@ COMMANDS = {
     "quickstart": cmd_quickstart,
     "methods": cmd_methods,
     "bench": cmd_bench,
-    "eval": cmd_eval,
+    "eval": cmd_suite,
     "serve": lambda args: _serve(args),
     "store": lambda args: _store(args),
 }
