@@ -18,7 +18,7 @@ from kvrag.cli_types import link_adapter_arg, positive_int, ratio_or_auto
 from kvrag.decode import STOP_RULES
 from kvrag.eval.speed import LAYERWISE_CHOICES
 from kvrag.errors import KVRagError
-from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_METHOD, DEFAULT_RATIO, DEFAULT_STOP_AT, RATIO_FREE, TUNED_METHOD
+from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_METHOD, DEFAULT_SHORT_CONTEXT, DEFAULT_RATIO, DEFAULT_STOP_AT, RATIO_FREE, TUNED_METHOD
 from kvrag.samples import sample_corpus_dir, sample_questions
 
 DEFAULT_K = 5
@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
     ask.add_argument("--min-recompute", type=int, default=None, metavar="TOKENS",
                      help=f"chunk tokens recomputed at least; chunks holding no more are read with Full Attention (0: off; default {DEFAULT_MIN_RECOMPUTE})")
+    ask.add_argument("--short-context", type=int, default=None, metavar="TOKENS",
+                     help=f"contexts of at most this many chunk tokens are read with Full Attention by every method (0: off; default {DEFAULT_SHORT_CONTEXT})")
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64)
@@ -293,6 +295,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         stop_at=args.stop_at,
         min_recompute=args.min_recompute,
+        short_context=args.short_context,
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
         **dict(params),
     )

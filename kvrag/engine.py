@@ -130,7 +130,7 @@ class KVRag(KVRagCore):
         fast = self._fast
         if fast is None or opts.resolved_method().name != TUNED_METHOD or opts.kv_kind != KIND_CHUNK:
             return super()._prefill_resolved(question, resolved, opts)
-        if sum(len(ids) for ids in resolved.token_ids) <= opts.min_recompute_tokens():
+        if sum(len(ids) for ids in resolved.token_ids) <= opts.full_context_tokens():
             return super()._prefill_resolved(question, resolved, opts)  # read whole, over the base weights
         pre = fast._prefill_resolved(question, fast.rekey(resolved), opts)
         pre.stats.weights = "adapter"

@@ -17,7 +17,7 @@ KIND_SIMILARITY = "similarity"  # ... after the prefix and its most similar chun
 KIND_PREFIX = "prefix"
 CHUNK_KINDS = (KIND_CHUNK, KIND_SIMILARITY)
 
-OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute")  # AnswerOptions' own keyword fields
+OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context")  # AnswerOptions' own keyword fields
 DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static")
 
 # The default fast setting over a model's own weights: the r = 0.15 method that recovered most of the
@@ -36,8 +36,27 @@ DEFAULT_RATIO = 0.15
 # (~1,250 tokens) r = 0.15 already recomputes more, so long prompts keep their speed. `stats.full_reason`
 # and `stats.recompute_ratio` say what was done; 0 turns it off.
 DEFAULT_MIN_RECOMPUTE = 160
+# A context of at most this many chunk tokens is read whole, with Full Attention, by every method: it is
+# cheap to read (~1 s on a 2-core CPU, milliseconds on a GPU) and reuse saves little there, while on the
+# bundled sample (top-5 retrieval, ~570-650 tokens) cacheblend@0.15 lost 8 of the 21 phrasings base Full
+# answered right (4 still at min_recompute 320). 10-passage prompts (~950-1,550 tokens) stay fast.
+# `stats.full_reason` says when it applied; 0 turns it off.
+DEFAULT_SHORT_CONTEXT = 768
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"
+
+
+def _tokens_setting(value: int | None, env_name: str, default: int) -> int:
+    """A token-count option: the request's value, else the deployment's environment variable, else the default."""
+    if value is not None:
+        return value
+    env = os.environ.get(env_name, "").strip()
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise ValueError(f"{env_name} must be a whole number of tokens, got {env!r}") from None
+    return default
 
 
 def decode_config(
@@ -65,10 +84,13 @@ class AnswerOptions:
     method_params: Mapping[str, Any] = field(default_factory=dict)
     decode: DecodeConfig = field(default_factory=decode_config)
     min_recompute: int | None = None  # chunk tokens recomputed at least (all: Full Attention); None: the default
+    short_context: int | None = None  # chunk tokens up to which the prompt is read with Full Attention; None: the default
 
     def __post_init__(self) -> None:
-        if self.min_recompute is not None and (isinstance(self.min_recompute, bool) or not isinstance(self.min_recompute, int) or self.min_recompute < 0):
-            raise ValueError(f"min_recompute must be a whole number of tokens >= 0, got {self.min_recompute!r}")
+        for name in ("min_recompute", "short_context"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a whole number of tokens >= 0, got {value!r}")
         ratio = self.recompute_ratio
         if ratio == "auto":
             object.__setattr__(self, "recompute_ratio", AutoRatio())
@@ -103,17 +125,15 @@ class AnswerOptions:
 
     def min_recompute_tokens(self) -> int:
         """Chunk tokens every answer recomputes at least (Full Attention when the chunks hold no more):
-        `min_recompute`, else
-        $KVRAG_MIN_RECOMPUTE (a deployment's default), else DEFAULT_MIN_RECOMPUTE."""
-        if self.min_recompute is not None:
-            return self.min_recompute
-        env = os.environ.get("KVRAG_MIN_RECOMPUTE", "").strip()
-        if env:
-            try:
-                return max(0, int(env))
-            except ValueError:
-                raise ValueError(f"KVRAG_MIN_RECOMPUTE must be a whole number of tokens, got {env!r}") from None
-        return DEFAULT_MIN_RECOMPUTE
+        `min_recompute`, else $KVRAG_MIN_RECOMPUTE (a deployment's default), else DEFAULT_MIN_RECOMPUTE."""
+        return _tokens_setting(self.min_recompute, "KVRAG_MIN_RECOMPUTE", DEFAULT_MIN_RECOMPUTE)
+
+    def full_context_tokens(self) -> int:
+        """Chunk tokens up to which every method reads the prompt whole with Full Attention: the larger
+        of the short-context limit (`short_context`, $KVRAG_SHORT_CONTEXT, DEFAULT_SHORT_CONTEXT) and
+        `min_recompute_tokens()` (recomputing at least all of them is Full Attention)."""
+        short = _tokens_setting(self.short_context, "KVRAG_SHORT_CONTEXT", DEFAULT_SHORT_CONTEXT)
+        return max(short, self.min_recompute_tokens())
 
     def with_default_method(self, method: str) -> "AnswerOptions":
         """These options, with `method` where they name none (what the engine does on every request)."""

@@ -8,16 +8,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-# Tests of the reuse machinery use short chunks; the short-context policy (kvrag.options.DEFAULT_MIN_RECOMPUTE)
-# would answer them with Full Attention. Off for the session (subprocesses inherit it); the tests of the
-# shipped defaults turn it back on with the `shipped_defaults` fixture.
-os.environ["KVRAG_MIN_RECOMPUTE"] = "0"
+# Tests of the reuse machinery use short chunks; the short-context policy (kvrag.options.DEFAULT_MIN_RECOMPUTE,
+# DEFAULT_SHORT_CONTEXT) would answer them with Full Attention. Off for the session (subprocesses inherit it);
+# the tests of the shipped defaults turn it back on with the `shipped_defaults` fixture.
+SHORT_CONTEXT_ENV = ("KVRAG_MIN_RECOMPUTE", "KVRAG_SHORT_CONTEXT")
+for _name in SHORT_CONTEXT_ENV:
+    os.environ[_name] = "0"
 
 
 @pytest.fixture
 def shipped_defaults(monkeypatch):
-    """The short-context policy as users get it (no KVRAG_MIN_RECOMPUTE)."""
-    monkeypatch.delenv("KVRAG_MIN_RECOMPUTE", raising=False)
+    """The short-context policy as users get it (no KVRAG_MIN_RECOMPUTE, no KVRAG_SHORT_CONTEXT)."""
+    for name in SHORT_CONTEXT_ENV:
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

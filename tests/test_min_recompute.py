@@ -1,12 +1,13 @@
 """Issue #34: where recomputing is cheap, recompute more. Every answer recomputes at least
-`min_recompute` chunk tokens, chunks holding no more are read with Full Attention (over the base
-weights, whatever the method), an explicit ratio 0 stays Full Reuse, and the stats say what was done."""
+`min_recompute` chunk tokens, chunks holding no more (or no more than `short_context`) are read with
+Full Attention (over the base weights, whatever the method), an explicit ratio 0 stays Full Reuse, and
+the stats say what was done."""
 
 import pytest
 import torch
 
 from kvrag import KVRag, from_model
-from kvrag.options import DEFAULT_MIN_RECOMPUTE, AnswerOptions
+from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_SHORT_CONTEXT, AnswerOptions
 from test_quality_options import CHUNKS, IDS, Q  # three ~90-character chunks and a question about the first
 from tiny import tiny_model, tiny_tokenizer
 
@@ -37,6 +38,16 @@ def test_chunks_within_the_minimum_are_read_with_full_attention(rag, method):
     assert one_more.stats.full_reason == ""
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_contexts_within_short_context_are_read_with_full_attention(rag, method):
+    n = context_tokens(rag)
+    full = rag.prefill(Q, IDS, method="full")
+    pre = rag.prefill(Q, IDS, method=method, short_context=n, min_recompute=0)
+    assert torch.equal(pre.logits, full.logits)
+    assert f"{n} chunk tokens <= short_context={n}" in pre.stats.full_reason and pre.stats.cache_hits == 0
+    assert rag.prefill(Q, IDS, method=method, short_context=n - 1, min_recompute=0).stats.full_reason == ""
+
+
 def test_the_minimum_raises_a_small_ratio_but_not_an_explicit_zero(rag):
     n = context_tokens(rag)
     first = len(rag.layout.chunk_ids(CHUNKS[0]))  # the first chunk's KV is exact: chosen last
@@ -62,11 +73,27 @@ def test_the_default_comes_from_the_environment_then_the_constant(rag, monkeypat
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="min_recompute"):
             AnswerOptions(min_recompute=bad)
+        with pytest.raises(ValueError, match="short_context"):
+            AnswerOptions(short_context=bad)
 
 
-def test_shipped_default_reads_short_chunks_whole(rag, shipped_defaults):
-    assert len(rag.layout.chunk_ids(CHUNKS[0])) <= DEFAULT_MIN_RECOMPUTE < context_tokens(rag)  # bytes on this tokenizer
-    out = rag.answer(Q, ["a"], method="reuse", max_new_tokens=4)
-    assert out.stats.full_reason and out.stats.recomputed_tokens == out.stats.context_tokens
-    long = rag.answer(Q, IDS, method="cacheblend", max_new_tokens=4)
+def test_the_whole_read_limit_is_the_larger_of_the_two(monkeypatch):
+    monkeypatch.delenv("KVRAG_MIN_RECOMPUTE")
+    monkeypatch.delenv("KVRAG_SHORT_CONTEXT")
+    assert AnswerOptions().full_context_tokens() == max(DEFAULT_SHORT_CONTEXT, DEFAULT_MIN_RECOMPUTE)
+    assert AnswerOptions(short_context=0).full_context_tokens() == DEFAULT_MIN_RECOMPUTE
+    assert AnswerOptions(short_context=0, min_recompute=0).full_context_tokens() == 0
+    monkeypatch.setenv("KVRAG_SHORT_CONTEXT", "300")
+    assert AnswerOptions().full_context_tokens() == 300
+    monkeypatch.setenv("KVRAG_SHORT_CONTEXT", "x")
+    with pytest.raises(ValueError, match="KVRAG_SHORT_CONTEXT"):
+        AnswerOptions().full_context_tokens()
+
+
+def test_shipped_default_reads_short_contexts_whole(rag, shipped_defaults):
+    assert len(rag.layout.chunk_ids(CHUNKS[0])) <= DEFAULT_MIN_RECOMPUTE < context_tokens(rag) <= DEFAULT_SHORT_CONTEXT
+    for ids in (["a"], IDS):
+        out = rag.answer(Q, ids, method="reuse", max_new_tokens=4)
+        assert out.stats.full_reason and out.stats.recomputed_tokens == out.stats.context_tokens
+    long = rag.answer(Q, IDS, method="cacheblend", max_new_tokens=4, short_context=0)  # the minimum still holds
     assert not long.stats.full_reason and long.stats.recomputed_tokens == DEFAULT_MIN_RECOMPUTE

@@ -64,12 +64,15 @@ SETS: dict[str, SuiteSet] = {
 }
 
 
+RAW = (("min_recompute", 0), ("short_context", 0))  # the short-context policy off: what the method does alone
+
+
 def suite_settings(with_tuned: bool) -> list[Setting]:
     """Base Full and reuse, every training-free method at the default ratio (the short-context policy on, as
     shipped), the default method with the policy off (the raw figure), and the tuned adapter's kvlink."""
     out = [Setting("full"), Setting("reuse")]
     out += [Setting(m, DEFAULT_RATIO) for m in TRAINING_FREE]
-    out.append(Setting(DEFAULT_METHOD, DEFAULT_RATIO, params=(("min_recompute", 0),)))
+    out.append(Setting(DEFAULT_METHOD, DEFAULT_RATIO, params=RAW))
     if with_tuned:
         out.append(Setting(TUNED_METHOD, 0.0, model=TUNED))
     return out

@@ -72,6 +72,7 @@ class KVRagContext(BaseModel):
     recompute_ratio: float | Literal["auto"] | None = Field(default=None)  # checked by AnswerOptions: [0, 1] or "auto"
     kv_kind: Literal["chunk", "similarity"] | None = None
     min_recompute: int | None = Field(default=None, ge=0, description="chunk tokens recomputed at least; no more than this: Full Attention (0: off)")
+    short_context: int | None = Field(default=None, ge=0, description="contexts of at most this many chunk tokens: Full Attention (0: off)")
     stop_at: Literal["none", "line", "sentence"] | None = None  # when the answer is complete (default: the server's)
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
 
@@ -218,8 +219,9 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
     )
     if ctx.kv_kind is not None:
         kwargs["kv_kind"] = ctx.kv_kind
-    if ctx.min_recompute is not None:
-        kwargs["min_recompute"] = ctx.min_recompute
+    for name in ("min_recompute", "short_context"):
+        if getattr(ctx, name) is not None:
+            kwargs[name] = getattr(ctx, name)
     if ctx.stop_at is not None:
         kwargs["stop_at"] = ctx.stop_at
     try:
