@@ -29,7 +29,7 @@ from .redis_options import redact_url
 from .base import CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
 from .byte_store import ByteStore
 from .disk import DEFAULT_MAX_BYTES, READ_MODES, DiskStore
-from .format import KEY_ENV, MacKey, entry_bytes_bound
+from .format import FORMAT_VERSION, KEY_ENV, MacKey, entry_bytes_bound
 from .host import HostStore
 from .memory import MemoryStore
 from .tiered import TieredStore
@@ -38,6 +38,7 @@ __all__ = [
     "ByteStore",
     "CorruptEntryError",
     "DiskStore",
+    "FORMAT_VERSION",
     "HostStore",
     "KEY_ENV",
     "KVEntry",

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 _SUFFIX = ".kv"
 _TEMP = ".tmp-"
 DEFAULT_MAX_BYTES = 20 << 30
-STALE_TEMP_S = 3600.0
+from kvrag.defaults import STALE_TEMP_S  # noqa: E402,F401
 READ_MODES = ("auto", "map", "copy")
 TOUCH_S = 60.0  # a read refreshes the LRU time (mtime) at most once a minute: no inode write per read
 

@@ -1,4 +1,4 @@
-"""`streamlit run demos/streamlit_app.py`: the packaged demo (kvrag/demo_app.py), runnable from a clone.
+"""`streamlit run demos/streamlit_app.py`: the packaged demo (kvrag/demo/app.py), runnable from a clone.
 
 Streamlit re-executes this file on every interaction; `runpy` re-executes the demo module each
 time too (a plain import would run it only once per process, leaving reruns blank).
@@ -21,4 +21,4 @@ if not st.get_option("server.address"):
     )
     st.stop()
 
-runpy.run_module("kvrag.demo_app", run_name="__main__")
+runpy.run_module("kvrag.demo.app", run_name="__main__")

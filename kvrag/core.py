@@ -10,16 +10,17 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvrag.cache_backends import KVStore, open_store
-from kvrag.layout import PromptLayout
-from kvrag.model import LoadedModel, kvrag_home
-from kvrag.options import DEFAULT_METHOD, KIND_CHUNK, AnswerOptions
+from kvrag.kv.layout import PromptLayout
+from kvrag.model.loading import LoadedModel, kvrag_home
+from kvrag.kv.kinds import KIND_CHUNK
+from kvrag.options import DEFAULT_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
-from kvrag.precompute import KVComputer, LayerStack
-from kvrag.prompt_match import match_prompt
-from kvrag.repository import KVRepository, PrecomputeReport, Resolved
-from kvrag.rope import Rotary
-from kvrag.fuse import Stitched
-from kvrag.layout import Segments
+from kvrag.kv.precompute import KVComputer, LayerStack
+from kvrag.ingest.prompt_match import match_prompt
+from kvrag.kv.repository import KVRepository, PrecomputeReport, Resolved
+from kvrag.model.rope import Rotary
+from kvrag.fuse.stitch import Stitched
+from kvrag.kv.layout import Segments
 from kvrag.types import Answer, Chunk
 
 

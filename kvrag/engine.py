@@ -13,15 +13,16 @@ from typing import Any, Iterable, Mapping, Sequence
 
 
 from kvrag.cache_backends import KVStore
-from kvrag.check import gate
+from kvrag.check.gate import gate
 from kvrag.core import KVRagCore
-from kvrag.layout import PromptLayout
-from kvrag.links import SHIPPED_SPECS, LinkAdapter, apply_adapter, check_adapter, load_adapter, names_no_adapter, shipped_adapter_paths
-from kvrag.model import LoadedModel, load_model
-from kvrag.options import CHUNK_KINDS, DEFAULT_METHOD, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY, TUNED_METHOD, AnswerOptions
+from kvrag.kv.layout import PromptLayout
+from kvrag.fuse.links import SHIPPED_SPECS, LinkAdapter, apply_adapter, check_adapter, load_adapter, names_no_adapter, shipped_adapter_paths
+from kvrag.model.loading import LoadedModel, load_model
+from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
+from kvrag.options import DEFAULT_METHOD, TUNED_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill
-from kvrag.repository import Resolved
-from kvrag.repository import PrecomputeReport
+from kvrag.kv.repository import Resolved
+from kvrag.kv.repository import PrecomputeReport
 from kvrag.types import Chunk
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class KVRag(KVRagCore):
         link_adapter: str | Path | LinkAdapter | None = "auto",
         **layout_kwargs: Any,
     ) -> None:
-        """`check=True` runs the per-model correctness gate (`kvrag.check.gate`) once per model
+        """`check=True` runs the per-model correctness gate (`kvrag.check.gate.gate`) once per model
         fingerprint and device type (its verdict is cached under $KVRAG_HOME/checks) and raises
         UnsupportedModelError, naming the failing check, for a model kvrag cannot serve exactly.
 

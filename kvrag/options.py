@@ -7,43 +7,25 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from kvrag.auto_ratio import AutoRatio
-from kvrag.decode import DecodeConfig
-from kvrag.evict import SnapKV
+from kvrag.methods.auto_ratio import AutoRatio
+from kvrag.decode.stream import DecodeConfig
+from kvrag.methods.snapkv import SnapKV
 from kvrag.methods import Method, get_method
 
-KIND_CHUNK = "chunk"  # a chunk's KV computed after the system prefix alone
-KIND_SIMILARITY = "similarity"  # ... after the prefix and its most similar chunks (FusionRAG §3.1)
-KIND_PREFIX = "prefix"
-CHUNK_KINDS = (KIND_CHUNK, KIND_SIMILARITY)
+from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
 OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context")  # AnswerOptions' own keyword fields
 DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static")
 
-# The default fast setting over a model's own weights: the r = 0.15 method that recovered most of the
-# reuse -> Full gap in the 300-question nq10_dev run (docs/bench/nq10-300: normalised 0.35, vs 0.19
-# fusionrag, 0.08 epic); on the 400 held-out questions (docs/bench/nq10-400) no r = 0.15 method
-# separates from it within the 95% intervals. A model served with a tuned link adapter answers with "kvlink" instead
-# (`KVRag.default_method`): options leave the method None and the engine fills it in.
-DEFAULT_METHOD = "cacheblend"
-TUNED_METHOD = "kvlink"
-RATIO_FREE = ("full", "reuse", TUNED_METHOD)  # methods that, as named, recompute no chosen share of chunk tokens
-DEFAULT_RATIO = 0.15
-# Every answer recomputes at least this many chunk tokens, and reads chunks that hold no more than this
-# with Full Attention over the base weights. Recomputing a fixed number of tokens costs a fixed, small
-# time (~0.1 s on a 2-core CPU), while r = 0.15 of a short context is a handful of tokens: on
-# one-sentence documents reuse at r = 0.15 lost 4 of the 9 facts Full got (MEASURED.md). At 10 passages
-# (~1,250 tokens) r = 0.15 already recomputes more, so long prompts keep their speed. `stats.full_reason`
-# and `stats.recompute_ratio` say what was done; 0 turns it off.
-DEFAULT_MIN_RECOMPUTE = 160
-# A context of at most this many chunk tokens is read whole, with Full Attention, by every method: it is
-# cheap to read (~1 s on a 2-core CPU, milliseconds on a GPU) and reuse saves little there, while on the
-# bundled sample (top-5 retrieval, ~570-650 tokens) cacheblend@0.15 lost 8 of the 21 phrasings base Full
-# answered right (4 still at min_recompute 320). 10-passage prompts (~950-1,550 tokens) stay fast.
-# `stats.full_reason` says when it applied; 0 turns it off.
-DEFAULT_SHORT_CONTEXT = 768
-# Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
-DEFAULT_STOP_AT = "sentence"
+from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
+    DEFAULT_METHOD,
+    DEFAULT_MIN_RECOMPUTE,
+    DEFAULT_RATIO,
+    DEFAULT_SHORT_CONTEXT,
+    DEFAULT_STOP_AT,
+    RATIO_FREE,
+    TUNED_METHOD,
+)
 
 
 def _tokens_setting(value: int | None, env_name: str, default: int) -> int:
@@ -78,7 +60,7 @@ class AnswerOptions:
     eviction after the first token, and the decode settings."""
 
     method: str | Method | None = None  # None: the engine's default (KVRag.default_method)
-    recompute_ratio: float | str | AutoRatio = DEFAULT_RATIO  # "auto": see kvrag.auto_ratio
+    recompute_ratio: float | str | AutoRatio = DEFAULT_RATIO  # "auto": see kvrag.methods.auto_ratio
     kv_kind: str = KIND_CHUNK
     evict: SnapKV | None = None
     method_params: Mapping[str, Any] = field(default_factory=dict)

@@ -13,20 +13,21 @@ from typing import Callable, Iterator
 
 import torch
 
-from kvrag.attention import kernel_log
-from kvrag.cache import cache_kv, cache_nbytes
-from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
+from kvrag.model.attention import kernel_log
+from kvrag.model.cache import cache_kv, cache_nbytes
+from kvrag.decode.stream import DecodeConfig, DecodeState, stream_tokens
 from kvrag.errors import ContextTooLongError
-from kvrag.evict import SnapKV
-from kvrag.fuse import PrefillOutput, Stitched, full_prefill, recompute, stitch
-from kvrag.layout import Segments
-from kvrag.auto_ratio import AutoRatio, auto_budget
+from kvrag.methods.snapkv import SnapKV
+from kvrag.fuse.stitch import PrefillOutput, Stitched, full_prefill, recompute, stitch
+from kvrag.kv.layout import Segments
+from kvrag.methods.auto_ratio import AutoRatio, auto_budget
 from kvrag.methods import LinkSlots, Method, PrepareContext, ScoredMethod, SelectContext, Selection, token_budget
-from kvrag.model import decoder_of
-from kvrag.options import KIND_CHUNK, AnswerOptions
-from kvrag.probe import ProbeResult, capture_queries
-from kvrag.repository import KVRepository, Resolved
-from kvrag.rope import Rotary
+from kvrag.model.loading import decoder_of
+from kvrag.kv.kinds import KIND_CHUNK
+from kvrag.options import AnswerOptions
+from kvrag.fuse.probe import ProbeResult, capture_queries
+from kvrag.kv.repository import KVRepository, Resolved
+from kvrag.model.rope import Rotary
 from kvrag.timing import clock
 from kvrag.types import Answer, AnswerStats, Chunk
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from kvrag.training.cli import add_train_links_parser, cmd_train_links, main
+from kvrag.cli.train import add_train_links_parser, cmd_train_links, main
 from kvrag.training.config import DEFAULT_LORA_TARGETS, TrainConfig
 from kvrag.training.data import (
     EVAL_FILE,

@@ -45,7 +45,7 @@ class AnswerStats:
     tiers: dict[str, int] = field(default_factory=dict)  # chunks served per store tier ("disk": 3, "computed": 1)
     # SDPA kernel per pass kind, in query blocks: {"recompute": {"flash_attention": 1}, "probe": {...}}
     attention_kernels: dict[str, dict[str, int]] = field(default_factory=dict)
-    # layer-wise loading (kvrag.layer_feed): the per-layer copy + rotate work, and the part of it the
+    # layer-wise loading (kvrag.fuse.layer_feed): the per-layer copy + rotate work, and the part of it the
     # passes waited for (inside select_s / recompute_s); layer_load_s - load_wait_s was hidden behind compute
     layerwise: bool = False
     layer_load_s: float = 0.0

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag.demo_launch import streamlit_command
+from kvrag.demo.launch import streamlit_command
 from kvrag.options import RATIO_FREE
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -115,7 +115,7 @@ def cli_calls(questions: list[str], args: argparse.Namespace, env: dict[str, str
     """One `kvrag ask` process per question (model load + retrieval + answer, every time)."""
     rows = []
     for q in questions:
-        cmd = [sys.executable, "-m", "kvrag.cli", "ask", q, "--method", args.method, "-k", str(args.top_k),
+        cmd = [sys.executable, "-m", "kvrag.cli.app", "ask", q, "--method", args.method, "-k", str(args.top_k),
                "--max-new-tokens", str(args.max_new_tokens), "--json", "--device", args.device]
         if args.model:
             cmd += ["--model", args.model]
@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KVRAG_HOME"] = str(out / "home")  # before kvrag reads it: index, KV store and gate verdicts live here
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-    from kvrag.cli import sample_corpus_dir, sample_questions
-    from kvrag.documents import load_documents
-    from kvrag.retrieval import ChunkIndex
-    from kvrag.server.client import ingest_via_server
+    from kvrag.cli.app import sample_corpus_dir, sample_questions
+    from kvrag.ingest.documents import load_documents
+    from kvrag.ingest.retrieval import ChunkIndex
+    from kvrag.client import ingest_via_server
 
     url, server = (args.server.rstrip("/"), None) if args.server else start_server(args)
     chunks = load_documents([sample_corpus_dir()])

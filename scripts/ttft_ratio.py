@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from kvrag import Chunk, KVRag
-from kvrag.cli import _quiet_libraries
+from kvrag.quiet import quiet_libraries
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=10)
     ap.add_argument("--data", default="../shared/data/nq10_dev.jsonl")
     args = ap.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     rows = [json.loads(line) for line in open(args.data)][: args.rows]
     with tempfile.TemporaryDirectory() as tmp:
         rag = KVRag.from_pretrained(store=f"disk://{tmp}")

@@ -1,4 +1,4 @@
-"""Attention by position in query blocks (kvrag.attention): same answers as the dense mask, bounded masks,
+"""Attention by position in query blocks (kvrag.model.attention): same answers as the dense mask, bounded masks,
 kernels named in the stats, flash-attention refused."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import kvrag.attention as attention
+import kvrag.model.attention as attention
 from kvrag import KVRag, from_model
-from kvrag.attention import IMPL, PassSpec, plan_blocks
+from kvrag.model.attention import IMPL, PassSpec, plan_blocks
 from kvrag.errors import UnsupportedModelError
 
 from tiny import ARCHS, THREE_CHUNKS, THREE_Q, tiny_model, tiny_tokenizer

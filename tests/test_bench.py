@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvrag import KVRag, from_model
-from kvrag.cli import main
+from kvrag.cli.app import main
 from kvrag.eval.data import Example, sample_examples
 from kvrag.eval.report import load_records, markdown_table, summarize, write_report
 from kvrag.eval.runner import Setting, make_settings, run

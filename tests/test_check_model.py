@@ -1,4 +1,4 @@
-"""The per-model correctness gate (`kvrag check-model`, `kvrag.check`) and the device/dtype options."""
+"""The per-model correctness gate (`kvrag check-model`, `kvrag.check.gate`) and the device/dtype options."""
 
 import argparse
 import json
@@ -7,24 +7,24 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-import kvrag.check as check
-import kvrag.model as kmodel
+import kvrag.check.gate as check
+import kvrag.model.loading as kmodel
 from kvrag import Chunk, ContextTooLongError, KVRag, UnsupportedModelError, from_model
 from kvrag.cache_backends import KVEntry
-from kvrag.check import (
+from kvrag.check.gate import (
     CHECK_CHUNKS,
     CHECK_QUESTION,
     TOLERANCES,
     CheckReport,
-    add_check_model_parser,
     check_model,
     gate,
     verdict_path,
 )
+from kvrag.cli.check import add_check_model_parser
 from kvrag.engine import KIND_CHUNK, KIND_PREFIX
-from kvrag.layout import PromptLayout
-from kvrag.model import resolve_device, resolve_dtype
-from kvrag.rope import Rotary
+from kvrag.kv.layout import PromptLayout
+from kvrag.model.loading import resolve_device, resolve_dtype
+from kvrag.model.rope import Rotary
 from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, tiny_model, tiny_tokenizer
 
 NUMERIC = ("re-rotated keys", "reuse = full (1 chunk)", "recompute 1.0 = full")
@@ -287,7 +287,7 @@ def test_check_model_command_fails_with_the_failing_check_named(tmp_path, capsys
 def test_check_model_command_checks_a_shape_with_random_weights(tmp_path, capsys, monkeypatch):
     """`--shape NAME` (kvrag/shapes) builds that shape with random weights: the gate at 1B-8B scale
     with nothing downloaded. Here a tiny config stands in for a shape file."""
-    import kvrag.model_shapes as speed
+    import kvrag.model.shapes as speed
 
     tiny_cfg = tiny_model("qwen2").config
     real = speed.shape_config

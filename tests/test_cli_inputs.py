@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from kvrag.cli import main
+from kvrag.cli.app import main
 
 
 def _closed_port() -> int:
@@ -35,8 +35,8 @@ def test_parameters_without_a_method_are_checked_against_the_engines_default(tmp
 
 
 def test_link_adapter_option_takes_auto_links_none_or_a_file(tmp_path, capsys):
-    from kvrag.cli import _parser
-    from kvrag.server.cli import settings_from_args
+    from kvrag.cli.app import _parser
+    from kvrag.cli.serve import settings_from_args
 
     assert _parser().parse_args(["ask", "Why?"]).link_adapter == "auto"
     assert _parser().parse_args(["ask", "Why?", "--link-adapter", "none"]).link_adapter is None

@@ -1,7 +1,7 @@
 """The core exactness invariants on a CUDA GPU, in float32 and bfloat16 (skipped without a GPU).
 
 Errors are relative L2 errors, ||got - want|| / ||want||, over each layer's keys or the
-first-token logits. Tolerances (the reasoning and CPU measurements are in kvrag/check.py):
+first-token logits. Tolerances (the reasoning and CPU measurements are in kvrag/check/gate.py):
 
 - float32: 1e-4. Same operations in another order; tiny models measure ~1e-7 .. 1e-6 on CPU.
 - bfloat16: keys 4e-2, logits 3e-2. 8 mantissa bits; a reused key is rounded twice more than an
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvrag import Chunk, KVRag, from_model
-from kvrag.cache import cache_kv, empty_cache
-from kvrag.check import check_model
+from kvrag.model.cache import cache_kv, empty_cache
+from kvrag.check.gate import check_model
 from kvrag.methods.base import Method
-from kvrag.rope import Rotary
+from kvrag.model.rope import Rotary
 from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, qa_rows, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -133,7 +133,7 @@ def test_kvlink_training_runs_on_cuda_and_its_adapter_serves(tmp_path, mode):
     """`kvrag train-links` on the GPU: the same recipe as on the CPU, loss finite, adapter loads and answers."""
     if mode == "lora":
         pytest.importorskip("peft")
-    from kvrag.links import load_adapter
+    from kvrag.fuse.links import load_adapter
     from kvrag.train import TrainConfig, train
 
     lm = cuda_lm("llama", torch.float32)
@@ -158,9 +158,9 @@ SAMPLINGS = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=7)]
 def decode_mode(rag, method, mode, monkeypatch, evict=None, max_new_tokens=24, **sampling):
     """Tokens and finish reason of one decode: "growing" (the eager append path), "static" (the static
     step run eagerly on the GPU) or "graph" (the same step captured and replayed); and the decoders made."""
-    import kvrag.decode as decode_mod
-    from kvrag.decode import DecodeConfig, DecodeState, stream_tokens
-    from kvrag.static_decode import StaticDecoder
+    import kvrag.decode.stream as decode_mod
+    from kvrag.decode.stream import DecodeConfig, DecodeState, stream_tokens
+    from kvrag.decode.static import StaticDecoder
 
     made = []
 
@@ -205,7 +205,7 @@ def test_graph_decode_equals_the_eager_static_step_in_bfloat16(method, monkeypat
 
 def test_graph_decode_after_snapkv_grows_the_room_on_cuda(monkeypatch):
     """SnapKV's cache keeps 64 slots of room; 80 tokens make the static buffer grow once before capture."""
-    from kvrag.evict import SnapKV
+    from kvrag.methods.snapkv import SnapKV
 
     rag = make_rag("qwen2", torch.float32)
     growing, _ = decode_mode(rag, "reuse", "growing", monkeypatch, evict=SnapKV(budget=8), max_new_tokens=80)
@@ -214,7 +214,7 @@ def test_graph_decode_after_snapkv_grows_the_room_on_cuda(monkeypatch):
 
 
 def test_cuda_answers_use_the_graph_by_default_and_match_the_eager_answer(monkeypatch):
-    import kvrag.decode as decode_mod
+    import kvrag.decode.stream as decode_mod
 
     made, real = [], decode_mod.StaticDecoder
     monkeypatch.setattr(decode_mod, "StaticDecoder", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
@@ -225,7 +225,7 @@ def test_cuda_answers_use_the_graph_by_default_and_match_the_eager_answer(monkey
     eager = rag.answer(Q, IDS, static=False, **kw)
     assert len(made) == 1 and (auto.text, auto.stats.generated_tokens) == (eager.text, eager.stats.generated_tokens)
 
-# -- layer-wise loading (kvrag.layer_feed): copies on a side stream, overlapped with the passes ----
+# -- layer-wise loading (kvrag.fuse.layer_feed): copies on a side stream, overlapped with the passes ----
 LAYERWISE = [("reuse", {}), ("epic", {}), ("a3", {}), ("fusionrag", {}), ("cacheblend", {}), ("samkv", {}), ("kvlink", {"link_tokens": 2})]
 STORES = {"host": "host://?pin=1", "disk": "disk://{tmp}?pin=1", "memory": "memory://"}  # pinned host, pinned reads, on the device
 
@@ -260,7 +260,7 @@ def test_layerwise_loading_gives_the_eager_logits_on_cuda(tmp_path, dtype, store
 
 @pytest.mark.parametrize("store", ["host", "disk"])
 def test_layerwise_copies_are_non_blocking_from_pinned_memory(tmp_path, monkeypatch, store):
-    from kvrag.layer_feed import LayerFeed
+    from kvrag.fuse.layer_feed import LayerFeed
 
     rag = layerwise_rag(torch.bfloat16, STORES[store], tmp_path)
     rag.prefill(Q, IDS, method="cacheblend")  # warm: the prefix exists, the entries are stored
@@ -286,8 +286,8 @@ def test_layerwise_copies_are_non_blocking_from_pinned_memory(tmp_path, monkeypa
 
 
 def test_layerwise_layers_are_ensured_before_their_attention_on_cuda(tmp_path, monkeypatch):
-    from kvrag.layer_feed import LayerFeed
-    from kvrag.model import decoder_of
+    from kvrag.fuse.layer_feed import LayerFeed
+    from kvrag.model.loading import decoder_of
 
     rag = layerwise_rag(torch.float32, STORES["host"], tmp_path)
     events = []

@@ -4,7 +4,7 @@ logits, efficient kernels named in the stats, and masks that stay bounded."""
 import pytest
 import torch
 
-import kvrag.attention as attention
+import kvrag.model.attention as attention
 from kvrag import KVRag, from_model
 from tiny import ARCHS, THREE_CHUNKS, THREE_IDS, THREE_Q, tiny_model, tiny_tokenizer
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvrag.cache import SpliceCache
-from kvrag.decode import IncrementalText
+from kvrag.model.cache import SpliceCache
+from kvrag.decode.stream import IncrementalText
 from tiny import tiny_tokenizer
 
 TEXTS = [

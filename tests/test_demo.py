@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("streamlit")
 
-from kvrag import demo_app  # noqa: E402
-from kvrag.demo_launch import app_path, streamlit_command  # noqa: E402
-from kvrag.demo_upload import (  # noqa: E402
+from kvrag.demo import app as demo_app  # noqa: E402
+from kvrag.demo.launch import app_path, streamlit_command  # noqa: E402
+from kvrag.demo.upload import (  # noqa: E402
     MAX_UPLOAD_BYTES,
     UploadError,
     load_uploads,

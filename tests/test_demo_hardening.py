@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("streamlit")
 
-from kvrag import demo_app  # noqa: E402
+from kvrag.demo import app as demo_app  # noqa: E402
 from kvrag.demo import ingest, stores  # noqa: E402
-from kvrag.demo_launch import launch_env  # noqa: E402
-from kvrag.demo_upload import UploadError, validate_upload  # noqa: E402
+from kvrag.demo.launch import launch_env  # noqa: E402
+from kvrag.demo.upload import UploadError, validate_upload  # noqa: E402
 from kvrag.types import Chunk  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ class _ByteTokenizer:
 
 # -- 1. bounded ingestion --------------------------------------------------------------------------
 def test_upload_of_a_run_without_spaces_is_capped_per_chunk(tmp_path):
-    from kvrag.demo_upload import save_upload, upload_chunks
+    from kvrag.demo.upload import save_upload, upload_chunks
 
     import random
 
@@ -159,7 +159,7 @@ def test_a_failed_probe_does_not_repeat_what_the_server_said():
 
 _OPEN_SCRIPT = """
 import streamlit as st
-from kvrag import demo_app
+from kvrag.demo import app as demo_app
 
 def boom(url):
     raise ConnectionError("Error 111 connecting: SSH-2.0-OpenSSH_9.6 banner")

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvrag import KVRag, from_model
-from kvrag.decode import eos_ids
-from kvrag.links import read_adapter_header
-from kvrag.rope import Rotary
-from kvrag.training.cli import add_train_links_parser
+from kvrag.decode.stream import eos_ids
+from kvrag.fuse.links import read_adapter_header
+from kvrag.model.rope import Rotary
+from kvrag.cli.train import add_train_links_parser
 from kvrag.training.config import DISTILL_KEYS, TrainConfig
 from kvrag.training.data import CONTINUE_INSTRUCTION, example_kind
 from kvrag.training.distill import Teacher, compress, distill_example, distill_loss, kl_to_teacher, teacher_prompt_ids
@@ -262,7 +262,7 @@ def test_distill_settings_and_their_command_line(tmp_path, monkeypatch):
     recorded = read_adapter_header(res.adapter_path)["training"]
     assert recorded["objective"] == "gold" and not {"teacher_tokens", "continue_share", "teacher_generated"} & set(recorded)
 
-    import kvrag.training.cli as cli
+    import kvrag.cli.train as cli
 
     seen = []
     monkeypatch.setattr(cli, "train", lambda cfg: seen.append(cfg) or type("R", (), {"losses": [1.0], "adapter_path": "a", "steps": 1,

@@ -1,4 +1,4 @@
-"""Tests for kvrag.documents: splitting, ids, file discovery and the jsonl shapes."""
+"""Tests for kvrag.ingest.documents: splitting, ids, file discovery and the jsonl shapes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrag.documents import chunk_id, load_documents, split_text
+from kvrag.ingest.documents import chunk_id, load_documents, split_text
 
 NQ_DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq10_dev.jsonl"
 
@@ -249,7 +249,7 @@ class _ByteTokenizer:
 
 
 def test_a_run_without_spaces_is_split_to_the_token_cap() -> None:
-    from kvrag.documents import split_text
+    from kvrag.ingest.documents import split_text
 
     text = "x" * 100_000  # one "word": the word splitter alone gives one 100k-token chunk
     chunks = split_text(text, max_words=120, max_tokens=256, tokenizer=_ByteTokenizer())
@@ -258,7 +258,7 @@ def test_a_run_without_spaces_is_split_to_the_token_cap() -> None:
 
 
 def test_long_words_text_is_capped_with_a_tokenizer_and_keeps_every_word() -> None:
-    from kvrag.documents import split_text
+    from kvrag.ingest.documents import split_text
 
     words = [f"{'w' * 30}{i}" for i in range(400)]  # 120 words of ~33 bytes: ~4k tokens per chunk
     chunks = split_text(" ".join(words), max_words=120, max_tokens=256, tokenizer=_ByteTokenizer())
@@ -267,7 +267,7 @@ def test_long_words_text_is_capped_with_a_tokenizer_and_keeps_every_word() -> No
 
 
 def test_without_a_tokenizer_a_byte_bound_caps_chunks() -> None:
-    from kvrag.documents import BYTES_PER_TOKEN_BOUND, split_text
+    from kvrag.ingest.documents import BYTES_PER_TOKEN_BOUND, split_text
 
     text = "\u4e2d" * 50_000  # no spaces, 3 bytes per character
     chunks = split_text(text, max_tokens=256)
@@ -292,7 +292,7 @@ def test_load_documents_caps_tokens_per_chunk(tmp_path: Path) -> None:
 
 
 def test_check_chunk_lengths_refuses_a_chunk_longer_than_the_context() -> None:
-    from kvrag.documents import check_chunk_lengths
+    from kvrag.ingest.documents import check_chunk_lengths
     from kvrag.errors import ContextTooLongError
     from kvrag.types import Chunk
 
@@ -316,7 +316,7 @@ def test_check_chunk_lengths_refuses_a_chunk_longer_than_the_context() -> None:
 )
 @pytest.mark.parametrize("suffix", [".txt", ".md", ".jsonl"])
 def test_binary_content_is_refused_naming_the_file(tmp_path: Path, data: bytes, suffix: str) -> None:
-    from kvrag.documents import NotTextError
+    from kvrag.ingest.documents import NotTextError
 
     f = tmp_path / f"program{suffix}"
     f.write_bytes(data)
@@ -328,7 +328,7 @@ def test_binary_content_is_refused_naming_the_file(tmp_path: Path, data: bytes, 
 
 
 def test_is_text_accepts_real_text() -> None:
-    from kvrag.documents import is_text
+    from kvrag.ingest.documents import is_text
 
     assert is_text("Tabs\tand\r\nnewlines, caf\u00e9, \u4e2d\u6587, form\x0cfeed.".encode())
     assert is_text(b"")
@@ -336,7 +336,7 @@ def test_is_text_accepts_real_text() -> None:
 
 
 def test_document_chunk_ids_are_the_ids_ingest_gives(tmp_path: Path) -> None:
-    from kvrag.documents import document_chunk_ids
+    from kvrag.ingest.documents import document_chunk_ids
 
     f = tmp_path / "doc.md"
     f.write_text("# A\n\nalpha text\n\n# B\n\nbeta text\n", encoding="utf-8")

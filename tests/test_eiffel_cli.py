@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kvrag.cli import main
+from kvrag.cli.app import main
 
 pytestmark = pytest.mark.smollm
 

@@ -13,7 +13,7 @@ from kvrag import (
     UnsupportedModelError,
     from_model,
 )
-from kvrag.fuse import recompute
+from kvrag.fuse.stitch import recompute
 from kvrag.options import DEFAULT_METHOD
 from kvrag.methods.base import Method
 from tiny import ARCHS, LLAMA3_ROPE, tiny_model, tiny_tokenizer

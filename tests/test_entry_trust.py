@@ -7,7 +7,7 @@ import torch
 
 from kvrag import Chunk, KVRag, from_model
 from kvrag.cache_backends import KVEntry, open_store
-from kvrag.model import model_fingerprint
+from kvrag.model.loading import model_fingerprint
 from kvrag.options import KIND_CHUNK
 from tiny import tiny_model, tiny_tokenizer
 
@@ -142,7 +142,7 @@ def test_bad_input_gets_a_clear_error(kwargs, error):
 
 def test_the_finiteness_scan_runs_once_per_unmodified_tensor(monkeypatch):
     """A memory tier hands back the same tensors on every hit: scanned once, again only after an in-place edit."""
-    import kvrag.entry_check as ec
+    import kvrag.kv.entry_check as ec
 
     t = torch.randn(2, 3, 4)
     scans = []

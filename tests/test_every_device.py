@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrag import KVRag, from_model
-from kvrag.evict import SnapKV
+from kvrag.methods.snapkv import SnapKV
 from tiny import THREE_CHUNKS, THREE_IDS, THREE_Q, tiny_model, tiny_tokenizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,4 +1,4 @@
-"""The gate's tolerances scale with the model's own noise (kvrag/check_noise.py), and still catch defects.
+"""The gate's tolerances scale with the model's own noise (kvrag/check/noise.py), and still catch defects.
 
 Run as a script to print the measurement table the multiple was chosen from:
     python tests/test_gate_noise.py [layers ...]      (default: 8 24; bf16 and fp16, init 0.02 and 0.08)
@@ -13,11 +13,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-import kvrag.check as check
-import kvrag.check_noise as noise
+import kvrag.check.gate as check
+import kvrag.check.noise as noise
 from kvrag import from_model
-from kvrag.check import TOLERANCES, check_model, gate, verdict_path
-from kvrag.rope import Rotary
+from kvrag.check.gate import TOLERANCES, check_model, gate, verdict_path
+from kvrag.model.rope import Rotary
 from tiny import LLAMA3_ROPE, tiny_model, tiny_tokenizer
 
 NUMERIC = ("re-rotated keys", "reuse = full (1 chunk)", "recompute 1.0 = full")

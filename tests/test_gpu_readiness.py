@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvrag import Chunk, KVRag, from_model
-from kvrag.evict import SnapKV
+from kvrag.methods.snapkv import SnapKV
 from kvrag import timing
 from tiny import tiny_model, tiny_tokenizer
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvrag import Chunk, KVRag, from_model
-from kvrag.decode import DecodeConfig, DecodeState, _stream, leading_echo
-from kvrag.layout import PromptLayout
+from kvrag.decode.stream import DecodeConfig, DecodeState, _stream, leading_echo
+from kvrag.kv.layout import PromptLayout
 from tiny import tiny_model, tiny_tokenizer
 
 HEADERS = {"Document: eiffel", "Document: wall"}
@@ -68,7 +68,7 @@ def _scripted(text: str, cfg: DecodeConfig, headers=HEADERS):
 
 
 def _eos(lm):
-    from kvrag.decode import eos_ids
+    from kvrag.decode.stream import eos_ids
 
     return sorted(eos_ids(lm))
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from kvrag import Chunk, KVRag, from_model
-from kvrag import cli
-from kvrag import documents
-from kvrag.documents import load_documents, split_text
+from kvrag.cli import app as cli
+from kvrag.ingest import documents
+from kvrag.ingest.documents import load_documents, split_text
 from tiny import tiny_model, tiny_tokenizer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -248,7 +248,7 @@ def test_streamed_chunks_are_the_chunks_of_the_whole_text(tmp_path, seed):
 @pytest.fixture()
 def cli_engine(monkeypatch, tmp_path):
     """`kvrag ingest` over a tiny model and a real Chroma index; `opened` lists each engine made."""
-    from kvrag.retrieval import ChunkIndex
+    from kvrag.ingest.retrieval import ChunkIndex
 
     opened: list[dict] = []
 
@@ -262,7 +262,7 @@ def cli_engine(monkeypatch, tmp_path):
 
     hook: list = [None]
     monkeypatch.setattr(cli, "_open", fake_open)
-    monkeypatch.setattr(importlib.import_module("kvrag.ingest"), "INGEST_BATCH", 16)
+    monkeypatch.setattr(importlib.import_module("kvrag.cli.ingest"), "INGEST_BATCH", 16)
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     return opened, hook
 
@@ -403,7 +403,7 @@ def test_a_bad_file_in_a_folder_is_reported_and_skipped_before_the_model_loads(t
     opened, _ = cli_engine
     docs = _bad_folder(tmp_path, monkeypatch)
     store = ["--store", f"disk://{tmp_path / 'kv'}", "--collection", "mixed"]
-    assert cli.main(["ingest", str(docs), *store]) == 3 == importlib.import_module("kvrag.ingest").EXIT_SKIPPED
+    assert cli.main(["ingest", str(docs), *store]) == 3 == importlib.import_module("kvrag.cli.ingest").EXIT_SKIPPED
     err = capsys.readouterr().err
     for name, why in (("program.txt", "not a text file"), ("latin.txt", "not valid UTF-8"), ("rows.jsonl:2", "must be a JSON object"),
                       ("locked.txt", "Permission denied")):
@@ -428,13 +428,13 @@ def test_a_bad_file_named_explicitly_is_an_error_before_the_model_loads(tmp_path
 
 
 def test_ingest_through_a_server_indexes_only_what_the_server_kept(tmp_path, monkeypatch, capsys):
-    from kvrag.retrieval import ChunkIndex
-    from kvrag.server import client
-    from kvrag.server.client import ServerError
+    from kvrag.ingest.retrieval import ChunkIndex
+    from kvrag import client
+    from kvrag.client import ServerError
 
     index = ChunkIndex(tmp_path / "chroma", collection="served")
     monkeypatch.setattr(cli, "_index", lambda args: index)
-    monkeypatch.setattr(importlib.import_module("kvrag.ingest"), "INGEST_BATCH", 16)
+    monkeypatch.setattr(importlib.import_module("kvrag.cli.ingest"), "INGEST_BATCH", 16)
     sent: list[list[str]] = []
 
     def fake_ingest(url, chunks, **kw):

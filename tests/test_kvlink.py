@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from kvrag.attention import active_spec
-from kvrag.masks import additive
+from kvrag.model.attention import active_spec
+from kvrag.model.masks import additive
 
 from kvrag import Chunk, KVRag, from_model
 from kvrag.engine import _AdapterPath
 from kvrag.options import AnswerOptions
 from kvrag.errors import AdapterMismatchError
-from kvrag.layout import LAYOUT_VERSION, Segments
-from kvrag.links import (
+from kvrag.kv.layout import LAYOUT_VERSION, Segments
+from kvrag.fuse.links import (
     LinkAdapter,
     adapter_header,
     apply_adapter,
@@ -28,7 +28,7 @@ from kvrag.links import (
     save_adapter,
 )
 from kvrag.methods import get_method, token_budget
-from kvrag.rope import Rotary
+from kvrag.model.rope import Rotary
 from kvrag.train import (
     Example,
     TrainConfig,
@@ -255,8 +255,8 @@ def test_kvlink_composes_with_a3_and_samkv():
 
 
 def test_selection_probes_do_not_see_empty_link_slots_and_snapkv_keeps_links():
-    from kvrag.evict import SnapKV
-    from kvrag.probe import attention_probs, probe
+    from kvrag.methods.snapkv import SnapKV
+    from kvrag.fuse.probe import attention_probs, probe
 
     rag = make_rag()
     pre = rag.prefill(Q, IDS, method="kvlink", link_tokens=4)
@@ -420,7 +420,7 @@ def test_full_attention_answers_as_the_base_weights_with_a_tuned_adapter_loaded(
 
 def ship(monkeypatch, folder, source, **names):
     """Pretend the package ships these adapter files (kind -> file name in `folder`) for `source`."""
-    import kvrag.links as links_mod
+    import kvrag.fuse.links as links_mod
 
     monkeypatch.setattr(links_mod, "SHIPPED_DIR", folder)
     monkeypatch.setattr(links_mod, "SHIPPED_ADAPTERS", {source: names})

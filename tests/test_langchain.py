@@ -296,7 +296,7 @@ def test_chain_over_chroma_on_smollm(smollm, tmp_path) -> None:
     """A real chroma collection (kvrag's ChunkIndex) behind a LangChain retriever, method a3."""
     from kvrag import Chunk
     from kvrag.integrations.langchain import ChunkIndexRetriever
-    from kvrag.retrieval import ChunkIndex
+    from kvrag.ingest.retrieval import ChunkIndex
 
     index = ChunkIndex(tmp_path / "chroma", collection="lc_test")
     chunks = [

@@ -1,17 +1,17 @@
-"""Layer-wise loading (kvrag.layer_feed) on the CPU: the same results as loading everything first,
+"""Layer-wise loading (kvrag.fuse.layer_feed) on the CPU: the same results as loading everything first,
 each layer filled when a pass first needs it (and no earlier), probes filling only what they reach."""
 
 import pytest
 import torch
 
 from kvrag import KVRag, from_model
-from kvrag.fuse import stitch
-from kvrag.layer_feed import LayerFeed
+from kvrag.fuse.stitch import stitch
+from kvrag.fuse.layer_feed import LayerFeed
 from kvrag.methods import METHODS, get_method
 from kvrag.methods.cacheblend import CacheBlend
-from kvrag.model import decoder_of
+from kvrag.model.loading import decoder_of
 from kvrag.pipeline import RequestPipeline
-from kvrag.probe import probe
+from kvrag.fuse.probe import probe
 from kvrag.types import AnswerStats
 from test_gpu_readiness import CHUNKS as SYNC_CHUNKS, Q as SYNC_Q, count_syncs
 from tiny import THREE_CHUNKS, THREE_IDS, THREE_Q, tiny_model, tiny_tokenizer

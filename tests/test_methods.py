@@ -6,7 +6,7 @@ import torch
 from kvrag import Chunk, KVRag, from_model
 from kvrag.methods import METHODS, get_method, token_budget
 from kvrag.methods.base import SelectContext
-from kvrag.probe import probe
+from kvrag.fuse.probe import probe
 from tiny import ARCHS, tiny_model, tiny_tokenizer
 
 SELECTIVE = ["cacheblend", "epic", "a3", "fusionrag"]
@@ -131,10 +131,10 @@ def test_similarity_kind_falls_back_to_plain_entries():
 
 def test_probe_attention_equals_the_models_own_attention_weights():
     """The probe's softmax attention is what the eager attention computes inside the model."""
-    from kvrag.cache import SpliceCache
-    from kvrag.masks import causal_mask_by_position
-    from kvrag.precompute import unstack_layers
-    from kvrag.probe import attention_probs
+    from kvrag.model.cache import SpliceCache
+    from kvrag.model.masks import causal_mask_by_position
+    from kvrag.kv.precompute import unstack_layers
+    from kvrag.fuse.probe import attention_probs
 
     for arch in ("llama", "qwen3"):
         r = KVRag(from_model(tiny_model(arch, attn="eager"), tiny_tokenizer()), store="memory://")

@@ -73,7 +73,7 @@ def test_store_reads_happen_outside_the_model_lock_and_count_in_ttft(monkeypatch
     request's chunk entries are read before the lock is taken. The read still counts in its load
     time and TTFT: the store advances a fake clock by an hour, which both must include."""
     import kvrag.pipeline
-    import kvrag.repository
+    import kvrag.kv.repository
 
     lm = from_model(tiny_model("llama"), tiny_tokenizer())
     rag = KVRag(lm, store="memory://")
@@ -82,7 +82,7 @@ def test_store_reads_happen_outside_the_model_lock_and_count_in_ttft(monkeypatch
     real = store.get_many
     seen: list[bool] = []
     skew = [0.0]
-    for mod in (kvrag.repository, kvrag.pipeline):
+    for mod in (kvrag.kv.repository, kvrag.pipeline):
         monkeypatch.setattr(mod, "clock", lambda device: skew[0])  # a fake clock: only the fake read moves it
 
     def slow(keys):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvrag import Chunk, KVRag, from_model
-from kvrag.auto_ratio import AutoRatio, auto_budget
-from kvrag.decode import rule_cut
+from kvrag.methods.auto_ratio import AutoRatio, auto_budget
+from kvrag.decode.stream import rule_cut
 from kvrag.options import DEFAULT_METHOD, AnswerOptions
 from tiny import tiny_model, tiny_tokenizer
 

@@ -55,9 +55,9 @@ def test_skip_marker_parsing():
 @pytest.fixture(scope="module")
 def readme_home(tmp_path_factory):
     """A $KVRAG_HOME whose retrieval index holds the sample corpus, as after `kvrag ingest`."""
-    from kvrag.documents import load_documents
-    from kvrag.retrieval import ChunkIndex
-    from kvrag.samples import sample_corpus_dir
+    from kvrag.ingest.documents import load_documents
+    from kvrag.ingest.retrieval import ChunkIndex
+    from kvrag.ingest.samples import sample_corpus_dir
 
     home = tmp_path_factory.mktemp("readme_home")
     ChunkIndex(home / "chroma").add(load_documents([sample_corpus_dir()]))
@@ -69,7 +69,7 @@ def tiny_engines(monkeypatch, readme_home):
     from tiny import tiny_model, tiny_tokenizer
 
     from kvrag.engine import KVRag
-    from kvrag.model import from_model
+    from kvrag.model.loading import from_model
 
     monkeypatch.setenv("KVRAG_HOME", str(readme_home))
     lm = from_model(tiny_model("llama"), tiny_tokenizer())
@@ -94,7 +94,7 @@ def test_readme_python_block_runs(line, code, skip, tiny_engines, capsys):
 
 
 def test_chunk_index_defaults_to_kvrag_home_and_expands_home(monkeypatch, tmp_path):
-    from kvrag.retrieval import ChunkIndex
+    from kvrag.ingest.retrieval import ChunkIndex
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     assert Path(ChunkIndex().path) == tmp_path / "home" / "chroma"

@@ -1,4 +1,4 @@
-"""Tests for kvrag.retrieval.ChunkIndex against the real Chroma and the bundled MiniLM."""
+"""Tests for kvrag.ingest.retrieval.ChunkIndex against the real Chroma and the bundled MiniLM."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def no_network() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def retrieval(no_network: None) -> Any:
     """The module, with the embedder loaded once for all tests here (loading takes seconds)."""
-    from kvrag import retrieval as mod
+    from kvrag.ingest import retrieval as mod
 
     mod.embedding_function()
     return mod

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvrag.cache import cache_kv, empty_cache
-from kvrag.rope import Rotary
+from kvrag.model.cache import cache_kv, empty_cache
+from kvrag.model.rope import Rotary
 from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, tiny_model
 
 ROPES = {"default": None, "llama3": LLAMA3_ROPE, "yarn": YARN_ROPE}

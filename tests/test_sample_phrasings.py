@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from kvrag.cli import main
+from kvrag.cli.app import main
 from kvrag.eval.metrics import contains
 from kvrag.methods import METHODS
-from kvrag.samples import sample_corpus_dir, sample_questions
+from kvrag.ingest.samples import sample_corpus_dir, sample_questions
 
 pytestmark = pytest.mark.smollm
 

@@ -20,7 +20,7 @@ from kvrag import Chunk, KVRag, from_model  # noqa: E402
 from kvrag.server import ServerSettings, create_app  # noqa: E402
 from kvrag.server.errors import APIError  # noqa: E402
 from kvrag.server.schemas import ChatRequest, answer_options  # noqa: E402
-from kvrag.server.client import ServerError, ask_via_server, delete_via_server, health, ingest_via_server  # noqa: E402
+from kvrag.client import ServerError, ask_via_server, delete_via_server, health, ingest_via_server  # noqa: E402
 from test_backends import REDIS, RedisServer, free_port  # noqa: E402
 from tiny import THREE_CHUNKS, THREE_Q, tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -369,7 +369,7 @@ def test_two_replicas_share_a_redis_store():
 
 # -- CLI --------------------------------------------------------------------------------------------------
 def test_serve_parser_defaults_and_help(capsys):
-    from kvrag.server.cli import add_serve_parser, settings_from_args
+    from kvrag.cli.serve import add_serve_parser, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kvrag")
     add_serve_parser(parser.add_subparsers(dest="command"))
@@ -396,7 +396,7 @@ def test_non_loopback_bind_warns_about_authentication(rag, monkeypatch, capsys):
 
 def test_stream_via_server_mirrors_the_local_engine(live, rag):
     from kvrag.options import AnswerOptions
-    from kvrag.server.client import stream_via_server
+    from kvrag.client import stream_via_server
 
     opts = AnswerOptions.from_kwargs(method="epic", recompute_ratio=0.3, max_new_tokens=5)
     remote = stream_via_server(live.url, THREE_Q, chunks=THREE_CHUNKS[:2], options=opts)
@@ -411,7 +411,7 @@ def test_stream_via_server_mirrors_the_local_engine(live, rag):
 
 def test_auto_ratio_and_stop_rule_travel_through_the_client(live):
     from kvrag.options import AnswerOptions
-    from kvrag.server.client import stream_via_server
+    from kvrag.client import stream_via_server
 
     opts = AnswerOptions.from_kwargs(method="a3", recompute_ratio="auto", stop_at="none", max_new_tokens=3)
     out = stream_via_server(live.url, THREE_Q, chunks=THREE_CHUNKS, options=opts).answer()

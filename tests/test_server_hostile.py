@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 from kvrag import Chunk, KVRag, from_model  # noqa: E402
 from kvrag.cache_backends import MemoryStore  # noqa: E402
 from kvrag.server import ServerSettings, create_app  # noqa: E402
-from kvrag.server.client import ServerError, delete_via_server, ingest_via_server  # noqa: E402
+from kvrag.client import ServerError, delete_via_server, ingest_via_server  # noqa: E402
 from test_backends import REDIS, RedisServer  # noqa: E402
 from test_server import SETTINGS, LiveServer, chunk_json, metric_samples, tiny_rag, wait_for  # noqa: E402
 from tiny import THREE_Q, tiny_model, tiny_tokenizer  # noqa: E402

@@ -1,6 +1,7 @@
 """Issue #19 scale-out: two server *processes* over one Redis store. A chunk ingested through one is
 answered by id through the other, from the shared store's KV (cache hits, nothing recomputed)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from kvrag.server.client import ask_via_server, health, ingest_via_server  # noqa: E402
+from kvrag.client import ask_via_server, health, ingest_via_server  # noqa: E402
+from conftest import SHORT_CONTEXT_ENV  # noqa: E402
 from test_backends import REDIS, RedisServer, free_port  # noqa: E402
 from tiny import THREE_CHUNKS, THREE_Q  # noqa: E402
 
@@ -34,7 +36,8 @@ SERVE = textwrap.dedent(
 def _start(store: str, home: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     code = SERVE.format(tests=str(Path(__file__).parent), store=store, port=port)
-    env = {"KVRAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    env = {"KVRAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           **{name: os.environ[name] for name in SHORT_CONTEXT_ENV}}  # the reuse path, as in this process
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return proc, f"http://127.0.0.1:{port}"
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvrag import Chunk, KVRag
-from kvrag.cli import main
+from kvrag.cli.app import main
 
 pytestmark = pytest.mark.smollm
 
@@ -68,7 +68,7 @@ def test_similarity_guided_preprocessing_lowers_kv_deviation(smollm, kvrag_home)
 
     from kvrag.eval.data import load_examples
     from kvrag.eval.deviation import kv_deviation
-    from kvrag.similarity import neighbours_by_embedding
+    from kvrag.kv.similarity import neighbours_by_embedding
 
     data = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq10_dev.jsonl"
     if not data.exists():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvrag import Chunk, KVRag, from_model
-from kvrag.cache import cache_kv, fuse_by_cosine
-from kvrag.evict import SnapKV
+from kvrag.model.cache import cache_kv, fuse_by_cosine
+from kvrag.methods.snapkv import SnapKV
 from kvrag.methods.samkv import chunk_blocks, dynamic_top_p
 from tiny import tiny_model, tiny_tokenizer
 

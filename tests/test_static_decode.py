@@ -1,6 +1,6 @@
 """Issue #22 on the CPU: the static-cache decode step picks exactly the tokens of the growing-cache decode.
 
-The static step (kvrag.static_decode.StaticStep.run) is the function a CUDA graph captures on a GPU;
+The static step (kvrag.decode.static.StaticStep.run) is the function a CUDA graph captures on a GPU;
 here it runs eagerly. The capture itself is not run on the CPU: tests/test_cuda.py checks graph ==
 eager on a GPU. What the CPU can check of capturability is checked here: no host sync inside the
 step, fixed buffers written in place, the mask and the RoPE position given as tensors.
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvrag import KVRag, from_model
-from kvrag.cache import SpliceCache, cache_kv, cache_len
-from kvrag.decode import DecodeConfig, DecodeState, EagerStep, stepper, stream_tokens
-from kvrag.evict import SnapKV
+from kvrag.model.cache import SpliceCache, cache_kv, cache_len
+from kvrag.decode.stream import DecodeConfig, DecodeState, EagerStep, stepper, stream_tokens
+from kvrag.methods.snapkv import SnapKV
 from kvrag.options import AnswerOptions
-from kvrag.static_decode import StaticDecoder, supports
+from kvrag.decode.static import StaticDecoder, supports
 from test_gpu_readiness import count_syncs
 from tiny import ARCHS, THREE_CHUNKS, THREE_IDS, THREE_Q, tiny_model, tiny_tokenizer
 

@@ -16,8 +16,8 @@ import pytest
 from kvrag import Chunk, KVRag
 from kvrag.cache_backends import DiskStore, StoreError, content_key, open_store
 from kvrag.errors import ChunkNotFoundError
-from kvrag.model import from_model
-from kvrag.store_admin import add_store_parser, cmd_store, gc, list_entries, namespace_of, open_admin, remove, store_stats
+from kvrag.model.loading import from_model
+from kvrag.cache_backends.admin import add_store_parser, cmd_store, gc, list_entries, namespace_of, open_admin, remove, store_stats
 from test_backends import REDIS, RedisServer, entry, needs_redis
 from tiny import tiny_model, tiny_tokenizer
 
@@ -190,7 +190,7 @@ def test_disk_store_primitives(tmp_path):
 
 
 def test_rm_document_uses_the_retrieval_index(lm, tmp_path, monkeypatch, capsys):
-    from kvrag.retrieval import ChunkIndex
+    from kvrag.ingest.retrieval import ChunkIndex
 
     home = tmp_path / "home"
     monkeypatch.setenv("KVRAG_HOME", str(home))
@@ -331,7 +331,7 @@ def test_redis_unlink_primitive(redis_url):
 @needs_redis
 def test_a_redis_db_out_of_range_is_one_line_with_the_password_hidden(redis_url, capsys):
     """Issue #37: `kvrag store stats` on db 99 printed a 58-line traceback."""
-    from kvrag.cli import main
+    from kvrag.cli.app import main
 
     host = redis_url.split("://", 1)[1].split("/", 1)[0]
     assert main(["store", "stats", "--store", f"redis://:secret@{host}/99"]) == 2

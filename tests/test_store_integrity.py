@@ -23,7 +23,7 @@ from kvrag.cache_backends import KEY_ENV, DiskStore, KVEntry, MacKey, MemoryStor
 from kvrag.cache_backends.disk_read import ReadBatch
 from kvrag.cache_backends.format import encode_entry
 from kvrag.cache_backends.redis_store import RedisStore
-from kvrag.entry_check import kv_shape
+from kvrag.kv.entry_check import kv_shape
 from test_backends import REDIS, RedisServer
 from tiny import tiny_model, tiny_tokenizer
 

@@ -1,4 +1,5 @@
-"""The code's shape: files and classes of a readable size, and no import cycle among kvrag's modules.
+"""The code's shape: files and classes of a readable size, no import cycle among kvrag's modules, and
+folders that follow the data path, every import pointing down it (ROOMS) and no face importing another.
 
 Function-level imports count as imports: an import moved into a function to dodge a cycle is still a cycle.
 """
@@ -33,7 +34,7 @@ def source_files() -> dict[str, Path]:
 
 def test_source_files_are_found():
     files = source_files()
-    assert "kvrag" in files and "kvrag.cache" in files and "kvrag.cache_backends.disk" in files
+    assert "kvrag" in files and "kvrag.model.cache" in files and "kvrag.cache_backends.disk" in files
     assert "kvrag.integrations.langchain" in files
 
 
@@ -165,12 +166,12 @@ def test_cycle_finder_reports_a_cycle():
 
 
 def test_relative_and_submodule_imports_are_resolved():
-    node = ast.parse("from ..cache import cache_kv").body[0]
-    assert _resolve("kvrag.training.passes", False, node) == "kvrag.cache"
+    node = ast.parse("from ..model.cache import cache_kv").body[0]
+    assert _resolve("kvrag.training.passes", False, node) == "kvrag.model.cache"
     assert _resolve("kvrag.training", True, ast.parse("from . import loop").body[0]) == "kvrag.training"
     graph = import_graph()
     assert "kvrag.training.passes" in graph["kvrag.train"]  # `from kvrag.training.passes import ...`
-    assert "kvrag.fuse" in graph["kvrag.training.passes"]
+    assert "kvrag.fuse.stitch" in graph["kvrag.training.passes"]
 
 
 
@@ -183,7 +184,7 @@ def test_no_import_cycle_among_kvrag_modules():
 
 def test_every_package_is_installed():
     """A package folder missing from pyproject's list works in an editable install and breaks in a
-    wheel (kvrag.store_admin once did: `kvrag cache ...` failed with ModuleNotFoundError)."""
+    wheel (kvrag.cache_backends.admin once did: `kvrag cache ...` failed with ModuleNotFoundError)."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
@@ -194,3 +195,60 @@ def test_every_package_is_installed():
             if "tests" not in parts and "__pycache__" not in parts:
                 found.add(".".join([package, *parts]))
     assert found - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"
+
+
+# The rooms, bottom to top: the data path (files -> chunk KV -> stitch -> select -> decode), the request
+# assembled from it, then the tools and faces at the edge. A module may import its own room and rooms
+# below it, never one above.
+ROOMS = [
+    ("vocabulary", ["kvrag.errors", "kvrag.types", "kvrag.timing", "kvrag.version", "kvrag.defaults", "kvrag.quiet", "kvrag.chat"]),
+    ("storage", ["kvrag.cache_backends"]),
+    ("model", ["kvrag.model"]),
+    ("ingest", ["kvrag.ingest"]),
+    ("kv", ["kvrag.kv"]),
+    ("fuse", ["kvrag.fuse"]),
+    ("select and decode", ["kvrag.methods", "kvrag.decode"]),
+    ("request", ["kvrag.options", "kvrag.pipeline", "kvrag.core"]),
+    ("gate", ["kvrag.check"]),
+    ("engine", ["kvrag.engine", "kvrag.client"]),
+    ("tools", ["kvrag.eval", "kvrag.training"]),
+    ("faces", ["kvrag.integrations", "kvrag.server", "kvrag.demo"]),
+    ("command line", ["kvrag.cli", "kvrag.train"]),
+    ("package", ["kvrag"]),
+]
+FACES = ["kvrag.integrations", "kvrag.server", "kvrag.demo", "kvrag.cli"]
+
+
+def room_of(module: str) -> tuple[int, str]:
+    """(rank, prefix) of the room a module lives in: the longest prefix that names it."""
+    best = None
+    for rank, (_, prefixes) in enumerate(ROOMS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (rank, prefix)
+    assert best is not None, f"{module} is in no room: add it to ROOMS"
+    return best
+
+
+def test_every_import_points_down_the_data_path():
+    """Request order: e.g. kv -> options (for the KIND_* names) once closed a loop kv -> options -> methods -> fuse -> kv."""
+    up = []
+    for module, targets in import_graph().items():
+        rank, _ = room_of(module)
+        for t in sorted(targets):
+            if room_of(t)[0] > rank:
+                up.append(f"{module} ({ROOMS[rank][0]}) -> {t} ({ROOMS[room_of(t)[0]][0]})")
+    print("\n".join(up) or "imports: all point down")
+    assert not up, "imports running back up:\n" + "\n".join(up)
+
+
+def test_no_face_imports_another():
+    """The server once needed langchain-core because it imported the LangChain integration for two string helpers."""
+    crossed = []
+    for module, targets in import_graph().items():
+        own = next((f for f in FACES if module == f or module.startswith(f + ".")), None)
+        for t in targets:
+            other = next((f for f in FACES if t == f or t.startswith(f + ".")), None)
+            if own and other and other != own and own != "kvrag.cli":  # the command line starts the server and the demo
+                crossed.append(f"{module} -> {t}")
+    assert not crossed, crossed

@@ -1,7 +1,7 @@
 """The training context (modes lora/full) goes through fuse.stitch and equals the old hand-rolled encode_context.
 
 `reference_encode_context` is the encode_context of kvrag/train.py before the split (commit f89218b),
-kept here verbatim except that it reads the cache through kvrag.cache.cache_kv: the loss and the
+kept here verbatim except that it reads the cache through kvrag.model.cache.cache_kv: the loss and the
 gradients of the shared path must match it on a fixed padded batch.
 """
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvrag import KVRag, from_model
-from kvrag.cache import cache_kv, empty_cache
-from kvrag.fuse import HIDDEN_POSITION
-from kvrag.links import additive, default_link_embeds, link_picture
-from kvrag.rope import Rotary
+from kvrag.model.cache import cache_kv, empty_cache
+from kvrag.fuse.stitch import HIDDEN_POSITION
+from kvrag.fuse.links import additive, default_link_embeds, link_picture
+from kvrag.model.rope import Rotary
 from kvrag.train import Context, TrainConfig, batch_loss, build_example, context_positions, encode_context, pass_batch, prepare_model
 from kvrag.train import _pad_stack
 from tiny import ARCHS, qa_rows, tiny_model, tiny_tokenizer

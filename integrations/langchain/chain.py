@@ -19,7 +19,9 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import patch_config
 
-from .chat_model import ChatKVRag, documents_to_chunks, text_of
+from kvrag.chat import text_of
+
+from .chat_model import ChatKVRag, documents_to_chunks
 
 ChainInput = Union[str, dict[str, Any]]
 

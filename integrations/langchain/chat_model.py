@@ -14,28 +14,21 @@ from typing import Any, Iterator, Literal, Sequence
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import AliasChoices, Field, PrivateAttr
 
+from kvrag.chat import Turn, last_user_text, prompt_of
 from kvrag.engine import AnswerStream, KVRag
-from kvrag.model import BUNDLED_NAME
+from kvrag.model.loading import BUNDLED_NAME
 from kvrag.options import AnswerOptions
-from kvrag.server.client import stream_via_server
+from kvrag.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
 
-_ROLES = {"system": "System", "human": "User", "ai": "Assistant", "tool": "Tool", "function": "Function"}
+_ROLES = {"human": "user", "ai": "assistant"}  # LangChain message types -> OpenAI roles (the rest are the same)
 # langchain-core >= 1.0 marks the closing chunk of a stream; older cores lack the field.
 _LAST: dict[str, Any] = {"chunk_position": "last"} if "chunk_position" in AIMessageChunk.model_fields else {}
-
-def text_of(content: str | list[Any]) -> str:
-    """The text of a message's content; non-text blocks (images, ...) are dropped."""
-    if isinstance(content, str):
-        return content
-    parts = [p if isinstance(p, str) else p.get("text", "") for p in content if isinstance(p, str) or p.get("type") == "text"]
-    return "".join(parts)
-
 
 def documents_to_chunks(documents: Sequence[Document | Chunk]) -> list[Chunk]:
     """LangChain documents as engine chunks; a document without an id is keyed by a hash of its text,
@@ -51,23 +44,18 @@ def documents_to_chunks(documents: Sequence[Document | Chunk]) -> list[Chunk]:
     return out
 
 
+def turns_of(messages: Sequence[BaseMessage]) -> list[Turn]:
+    """LangChain messages as `kvrag.chat` turns (role names in OpenAI's vocabulary)."""
+    return [(m.role.lower() if isinstance(m, ChatMessage) else _ROLES.get(m.type, m.type), m.content) for m in messages]
+
+
 def messages_to_prompt(messages: Sequence[BaseMessage]) -> str:
-    """One plain-text prompt for `KVRag.complete`; a lone human message is passed through untouched
-    so chunk texts inside it still match verbatim."""
-    if len(messages) == 1 and isinstance(messages[0], HumanMessage):
-        return text_of(messages[0].content)
-    turns = []
-    for m in messages:
-        role = m.role.capitalize() if isinstance(m, ChatMessage) else _ROLES.get(m.type, m.type.capitalize())
-        turns.append(f"{role}: {text_of(m.content)}")
-    return "\n\n".join(turns)
+    """One plain-text prompt for `KVRag.complete` (see `kvrag.chat.prompt_of`)."""
+    return prompt_of(turns_of(messages))
 
 
 def last_human_text(messages: Sequence[BaseMessage]) -> str:
-    for m in reversed(messages):
-        if isinstance(m, HumanMessage) or (isinstance(m, ChatMessage) and m.role == "user"):
-            return text_of(m.content)
-    raise ValueError("with documents=..., the messages must contain a human message (the question)")
+    return last_user_text(turns_of(messages))
 
 
 def usage_of(stats: AnswerStats) -> UsageMetadata:

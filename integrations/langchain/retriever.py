@@ -13,11 +13,11 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, PrivateAttr
 
-from kvrag.retrieval import ChunkIndex
+from kvrag.ingest.retrieval import ChunkIndex
 
 
 class ChunkIndexRetriever(BaseRetriever):
-    """Top-k chunks from a `kvrag.retrieval.ChunkIndex` as LangChain `Document`s (ids kept)."""
+    """Top-k chunks from a `kvrag.ingest.retrieval.ChunkIndex` as LangChain `Document`s (ids kept)."""
 
     k: int = Field(default=5, description="documents to return")
     _index: ChunkIndex = PrivateAttr()

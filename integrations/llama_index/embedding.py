@@ -18,7 +18,7 @@ class MiniLMEmbedding(BaseEmbedding):
         return "MiniLMEmbedding"
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
-        from kvrag.retrieval import embedding_function
+        from kvrag.ingest.retrieval import embedding_function
 
         return [list(map(float, v)) for v in embedding_function()(texts)]
 

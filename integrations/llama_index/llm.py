@@ -21,7 +21,7 @@ from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.options import AnswerOptions
-from kvrag.server.client import stream_via_server
+from kvrag.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
 
 

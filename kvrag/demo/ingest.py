@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import streamlit as st
 
 from kvrag.demo.render import plain_label
-from kvrag.demo_upload import MAX_UPLOAD_FILES, UploadError, load_uploads, save_upload, upload_chunks, validate_upload
-from kvrag.documents import count_tokens
+from kvrag.demo.upload import MAX_UPLOAD_FILES, UploadError, load_uploads, save_upload, upload_chunks, validate_upload
+from kvrag.ingest.documents import count_tokens
 from kvrag.errors import KVRagError
 from kvrag.types import Chunk
 
@@ -130,8 +130,8 @@ def ingest_registry() -> _IngestRegistry:
 
 def corpus_chunks(folder: Path, tokenizer: Any) -> list[Chunk]:
     """The sample corpus and every saved upload, chunked as the demo chunks them."""
-    from kvrag.cli import sample_corpus_dir
-    from kvrag.documents import load_documents
+    from kvrag.ingest.samples import sample_corpus_dir
+    from kvrag.ingest.documents import load_documents
 
     return load_documents([sample_corpus_dir()], max_tokens=CHUNK_TOKENS, tokenizer=tokenizer) + load_uploads(
         uploads_dir(folder), max_tokens=CHUNK_TOKENS, tokenizer=tokenizer

@@ -3,7 +3,7 @@
 The store URL is typed by whoever opens the page, so: disk stores must live inside the demo
 folder, only known schemes are accepted, and a networked store (Redis) must be on a loopback host
 unless the person who launched the demo allowed its host (`KVRAG_DEMO_ALLOW_HOSTS=host1,host2`, or
-`kvrag.demo_launch.launch(allow_store_hosts=[...])`). A failed probe says only that the store could
+`kvrag.demo.launch.launch(allow_store_hosts=[...])`). A failed probe says only that the store could
 not be reached: nothing the server at that address answered is shown.
 """
 
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse, urlunparse
 
-from kvrag.model import kvrag_home
+from kvrag.defaults import kvrag_home
 
 DEMO_DIR_ENV = "KVRAG_DEMO_DIR"
 ALLOW_HOSTS_ENV = "KVRAG_DEMO_ALLOW_HOSTS"

@@ -7,8 +7,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag.documents import chunk_id
-from kvrag.samples import sample_corpus_dir, sample_questions
+from kvrag.ingest.documents import chunk_id
+from kvrag.ingest.samples import sample_corpus_dir, sample_questions
 from kvrag.types import Chunk
 
 
@@ -66,7 +66,7 @@ def sample_examples(n: int | None = None, seed: int = 0, chunks_per_question: in
     seeded order, so the gold passage is not always first. `phrasings=True`: every phrasing of each
     question (sample_questions.json "phrasings") is an example of its own over the same chunks.
     """
-    from kvrag.documents import load_documents
+    from kvrag.ingest.documents import load_documents
 
     chunks = load_documents([sample_corpus_dir()])
     rng = random.Random(seed)

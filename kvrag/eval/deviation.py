@@ -10,10 +10,10 @@ from typing import Sequence
 
 import torch
 
-from kvrag.cache import cache_kv
+from kvrag.model.cache import cache_kv
 from kvrag.engine import KVRag
 from kvrag.options import KIND_CHUNK, KIND_SIMILARITY
-from kvrag.similarity import neighbours_by_embedding
+from kvrag.kv.similarity import neighbours_by_embedding
 
 
 def kv_deviation(rag: KVRag, question: str, chunk_ids: Sequence[str], kv_kind: str = KIND_CHUNK) -> torch.Tensor:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from kvrag.engine import KVRag
 from kvrag.eval.runner import Setting
-from kvrag.model_shapes import random_model, shape_config, shape_names  # noqa: F401 - the bench's names for them
+from kvrag.model.shapes import random_model, shape_config, shape_names  # noqa: F401 - the bench's names for them
 from kvrag.types import AnswerStats, Chunk
 
 QUESTION = "Which places, people and dates does the text mention, and what happened there?"
@@ -52,7 +52,7 @@ def corpus_chunks(tokenizer: Any, n: int, tokens: int) -> list[Chunk]:
     return chunks
 
 
-LAYERWISE_CHOICES = ("auto", "on", "off", "both")
+from kvrag.defaults import LAYERWISE_CHOICES  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

@@ -224,8 +224,8 @@ def time_store(store: KVStore, entries: dict[str, Any], rounds: int = 20) -> dic
 
 
 def sample_chunks(n: int = 10, words: int = 140) -> list:
-    from kvrag.samples import sample_corpus_dir
-    from kvrag.documents import load_documents
+    from kvrag.ingest.samples import sample_corpus_dir
+    from kvrag.ingest.documents import load_documents
 
     chunks = load_documents([sample_corpus_dir()], max_words=words)
     return chunks[:n]

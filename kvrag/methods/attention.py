@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvrag.methods.base import ScoredMethod, SelectContext
-from kvrag.probe import attention_probs, probe, resolve_layer
+from kvrag.fuse.probe import attention_probs, probe, resolve_layer
 
 
 class QuestionAttention(ScoredMethod):

@@ -11,9 +11,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from kvrag.fuse import Stitched
-from kvrag.model import LoadedModel
-from kvrag.rope import Rotary
+from kvrag.fuse.stitch import Stitched
+from kvrag.model.loading import LoadedModel
+from kvrag.model.rope import Rotary
 
 
 @dataclass
@@ -96,8 +96,8 @@ class Method:
     name: ClassVar[str] = ""
     full_attention: ClassVar[bool] = False  # True only for the no-reuse baseline
     update: str = "overwrite"  # how recomputed KV is written: "overwrite" or "fusion" (SamKV eq. 4)
-    # layer-wise loading (kvrag.layer_feed): True when keep/select read stitched KV only at layers this
-    # rule's own probes reached (kvrag.probe fills those), so the other layers load behind the probes and
+    # layer-wise loading (kvrag.fuse.layer_feed): True when keep/select read stitched KV only at layers this
+    # rule's own probes reached (kvrag.fuse.probe fills those), so the other layers load behind the probes and
     # the pass; otherwise every layer is filled first. Declared per class, never inherited: a subclass
     # may read more than its parent.
     probed_layers_only: ClassVar[bool] = False

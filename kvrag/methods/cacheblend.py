@@ -18,8 +18,8 @@ import math
 import torch
 
 from kvrag.methods.base import ScoredMethod, SelectContext, Selection
-from kvrag.model import decoder_of
-from kvrag.probe import probe, resolve_layer
+from kvrag.model.loading import decoder_of
+from kvrag.fuse.probe import probe, resolve_layer
 
 
 class CacheBlend(ScoredMethod):

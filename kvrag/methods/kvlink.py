@@ -2,7 +2,7 @@
 
 The method itself is a selection rule like the others (by default none: `select="reuse"`) plus a
 number of link tokens; `prepare` adds the link slots to the layout, and the one recompute pass
-computes them with KVLink's attention picture (`kvrag.links`). Composing: `select="a3"` (or
+computes them with KVLink's attention picture (`kvrag.fuse.links`). Composing: `select="a3"` (or
 `method="kvlink+a3"`) recomputes the a3-chosen chunk tokens in the same pass (those tokens attend
 causally to everything before them, as recomputation does), and `select="samkv"` keeps SamKV's
 sparse cache, in which link slots are always kept. The budget counts chunk tokens only.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrag.links import resolve_link_rows
+from kvrag.fuse.links import resolve_link_rows
 from kvrag.methods.base import LinkSlots, Method, PrepareContext, SelectContext, Selection
 from kvrag.methods.registry import get_method
 

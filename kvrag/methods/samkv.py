@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.masks import question_attention
+from kvrag.model.masks import question_attention
 from kvrag.methods.base import ScoredMethod, SelectContext, Selection
-from kvrag.model import decoder_of
-from kvrag.probe import probe, resolve_layer
+from kvrag.model.loading import decoder_of
+from kvrag.fuse.probe import probe, resolve_layer
 
 
 def dynamic_top_p_tensor(s_anchor: torch.Tensor, s_max: torch.Tensor, s_min: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvrag.chunk_index import request_scoped_chunks
+from kvrag.kv.registry import request_scoped_chunks
 from kvrag.pipeline import AnswerStream
 from kvrag.server.errors import as_api_error, error_body, log
 from kvrag.server.gate import Slot

@@ -10,7 +10,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from kvrag.errors import ChunkNotFoundError
 from kvrag.engine import KVRag
-from kvrag.repository import check_fits
+from kvrag.kv.repository import check_fits
 
 from kvrag.server.errors import APIError, as_api_error
 from kvrag.server.schemas import IngestRequest, check_chunk_count, check_token_count

@@ -1,32 +1,23 @@
-"""OpenAI chat messages as the engine's input, through the LangChain integration's own functions,
-so a chat through the server and one through `ChatKVRag` build the same prompt."""
+"""OpenAI chat messages as the engine's input, through `kvrag.chat`, so a chat through the server and one
+through `ChatKVRag` build the same prompt (and the server needs no LangChain)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage
-
-from kvrag.integrations.langchain.chat_model import last_human_text, messages_to_prompt
+from kvrag.chat import Turn, last_user_text, prompt_of
 from kvrag.server.schemas import Message
 
-_CLASSES = {"user": HumanMessage, "assistant": AIMessage, "system": SystemMessage, "developer": SystemMessage}
 
-
-def to_langchain(messages: Sequence[Message]) -> list[BaseMessage]:
-    out: list[BaseMessage] = []
-    for m in messages:
-        content = m.content if m.content is not None else ""
-        cls = _CLASSES.get(m.role)
-        out.append(cls(content=content) if cls else ChatMessage(role=m.role, content=content))
-    return out
+def turns_of(messages: Sequence[Message]) -> list[Turn]:
+    return [(m.role, m.content) for m in messages]
 
 
 def chat_prompt(messages: Sequence[Message]) -> str:
     """Plain chat: the messages as one prompt for `KVRag.complete` (a lone user message untouched)."""
-    return messages_to_prompt(to_langchain(messages))
+    return prompt_of(turns_of(messages))
 
 
 def question_of(messages: Sequence[Message]) -> str:
     """With retrieved chunks: the question is the last user message."""
-    return last_human_text(to_langchain(messages))
+    return last_user_text(turns_of(messages))

@@ -45,7 +45,7 @@ class ServerState:
     @cached_property
     def model_facts(self) -> Model:
         """What the method-parameter checks need: the layer count and the link adapter's K."""
-        from kvrag.model import decoder_of
+        from kvrag.model.loading import decoder_of
 
         try:
             n_layers: int | None = len(decoder_of(self.rag.lm.model).layers)

@@ -12,7 +12,7 @@ see (tested: the training pass reproduces the engine's first-token logits):
    KV store (the model is frozen, so every passage is computed once for the whole run); modes
    `lora`/`full` encode it here, with gradients, in one forward whose mask is the picture's chunk rows;
 2. the pass: the link tokens, the question and the answer in one forward over that context, at
-   their inference positions, under KVLink's picture (`kvrag.links.link_picture`, the function the
+   their inference positions, under KVLink's picture (`kvrag.fuse.links.link_picture`, the function the
    inference pass draws its mask with): link tokens, question and answer see every earlier position.
 
 The loss (objective `gold`, the default) is the cross-entropy of the answer tokens only. Objective
@@ -42,5 +42,5 @@ The same command runs on the CPU for the bundled model and on CUDA for bigger on
 Modules: `config` (TrainConfig), `data` (rows, examples), `passes` (context KV, the pass, the loss),
 `distill` (objective distill: the teacher, its cached targets, the KL),
 `trainables` (model preparation, adapter export, lr schedule, optimizer state), `loop` (checkpoints,
-`train()`), `cli` (`kvrag train-links` / `python -m kvrag.train`). `kvrag.train` re-exports them.
+`train()`); the command is `kvrag.cli.train` (`kvrag train-links` / `python -m kvrag.train`). `kvrag.train` re-exports them.
 """

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrag.links import DEFAULT_MAX_CHUNKS, MODES
+from kvrag.defaults import DEFAULT_MAX_CHUNKS, LINK_MODES as MODES
 
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
-OBJECTIVES = ("gold", "distill")
+from kvrag.defaults import OBJECTIVES  # noqa: E402,F401
 # What only objective distill reads: in the resume key only then, so gold runs resume unchanged.
 DISTILL_KEYS = ("objective", "teacher_tokens", "teacher_topk", "ce_weight", "continue_share")
 

@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 
 from kvrag.eval.data import parse_range
-from kvrag.layout import PromptLayout, Segments
-from kvrag.links import link_picture
+from kvrag.kv.layout import PromptLayout, Segments
+from kvrag.fuse.links import link_picture
 from kvrag.types import Chunk
 
 EVAL_FILE = "nq10_dev.jsonl"

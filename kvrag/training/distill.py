@@ -34,8 +34,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvrag.cache import empty_cache
-from kvrag.layout import PromptLayout, Segments
+from kvrag.model.cache import cache_arg, empty_cache
+from kvrag.kv.layout import PromptLayout, Segments
 from kvrag.training.config import TrainConfig
 from kvrag.training.data import Example, build_distill_example, example_kind
 from kvrag.training.passes import batch_context, batch_logits, pass_batch
@@ -114,7 +114,7 @@ def generate_targets(model: Any, ids: Sequence[int], n_tokens: int, eos: Iterabl
     n = len(ids)
     out = model(
         input_ids=torch.tensor([list(ids)], device=device), position_ids=torch.arange(n, device=device)[None],
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        **cache_arg(model, cache), use_cache=True, logits_to_keep=1,
     )
     tokens, rows = [], []
     for t in range(n_tokens):
@@ -126,7 +126,7 @@ def generate_targets(model: Any, ids: Sequence[int], n_tokens: int, eos: Iterabl
             break
         out = model(
             input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[n + t]], device=device),
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
+            **cache_arg(model, cache), use_cache=True, logits_to_keep=1,
         )
     logp, index = compress(torch.stack(rows), topk)
     return TeacherTargets(tokens, logp.contiguous(), None if index is None else index.contiguous())

@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from kvrag.decode import eos_ids
+from kvrag.decode.stream import eos_ids
 from kvrag.engine import KVRag
-from kvrag.layout import PromptLayout
-from kvrag.links import LinkAdapter, adapter_header, default_link_embeds, save_adapter
-from kvrag.model import LoadedModel, load_model
-from kvrag.rope import Rotary
+from kvrag.kv.layout import PromptLayout
+from kvrag.fuse.links import LinkAdapter, adapter_header, default_link_embeds, save_adapter
+from kvrag.model.loading import LoadedModel, load_model
+from kvrag.model.rope import Rotary
 from kvrag.training.config import TrainConfig
 from kvrag.training.data import build_example, load_rows
 from kvrag.training.distill import Teacher, distill_example, distill_loss

@@ -1,12 +1,12 @@
 """The training passes: the context KV of a micro-batch, the pass over it, the answer loss.
 
 1. the context: each chunk's KV computed after the system prefix alone, RoPE-free, then stitched
-   into the prompt by `kvrag.fuse.stitch` (keys re-rotated to the chunk's place), exactly as at
+   into the prompt by `kvrag.fuse.stitch.stitch` (keys re-rotated to the chunk's place), exactly as at
    inference. Mode `links` reads it from the engine (`load_context`); modes `lora`/`full` compute it
    here with gradients (`encode_context`). Both turn their stitched contexts into one padded
    `Context` with `stitched_context`;
 2. the pass: the link tokens, the question and the answer in one forward over that context, at
-   their inference positions, under KVLink's picture (`kvrag.links.link_picture`).
+   their inference positions, under KVLink's picture (`kvrag.fuse.links.link_picture`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kvrag.cache import cache_from_kv, cache_kv, empty_cache
-from kvrag.fuse import HIDDEN_POSITION, Stitched, stitch
-from kvrag.layout import LINK_PLACEHOLDER
-from kvrag.links import additive, link_picture, link_row_index
-from kvrag.precompute import LayerStack, stack_layers
-from kvrag.rope import Rotary
+from kvrag.model.cache import cache_arg, cache_from_kv, cache_kv, empty_cache
+from kvrag.fuse.stitch import HIDDEN_POSITION, Stitched, stitch
+from kvrag.kv.layout import LINK_PLACEHOLDER
+from kvrag.fuse.links import additive, link_picture, link_row_index
+from kvrag.kv.precompute import LayerStack, stack_layers
+from kvrag.model.rope import Rotary
 from kvrag.training.data import Example, context_positions
 
 
@@ -107,7 +107,7 @@ def encode_context(model: Any, rotary: Any, examples: Sequence[Example]) -> Cont
     # pad rows (query at HIDDEN) may see everything: no empty softmax row; real rows never see a pad
     mask = additive(allowed, dtype).to(device)
     cache = empty_cache()
-    model(input_ids=input_ids, position_ids=rope_pos, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=input_ids, position_ids=rope_pos, attention_mask=mask, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
     kv = cache_kv(cache)
     rot = _GradRotary(rotary) if torch.is_grad_enabled() else rotary
     return stitched_context(examples, [stitch(*_example_stacks(kv, b, e, rotary), e.segments, rot) for b, e in enumerate(examples)])
@@ -193,7 +193,7 @@ def batch_logits(model: Any, context: Context, batch: PassBatch, links: torch.Te
         inputs_embeds=embeds,
         position_ids=batch.positions,
         attention_mask=batch.mask.to(embeds.dtype),
-        past_key_values=cache,
+        **cache_arg(model, cache),
         use_cache=True,
         logits_to_keep=batch.predict,
     )

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvrag.links import LinkAdapter
+from kvrag.fuse.links import LinkAdapter
 from kvrag.training.config import TrainConfig
 
 

@@ -21,7 +21,7 @@ mkdir -p "$W/run" "$OUT"
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 KVRAG_HOME=$W/home HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 py() { (cd "$W/run" && python3 "$@"); }  # never from the repo root: ./kvrag there lacks the package's mapped parts
-kvrag() { py -m kvrag.cli "$@"; }
+kvrag() { py -m kvrag.cli.app "$@"; }
 
 setup() {
   # A warm machine keeps the wheels, but this call's checkout may differ: reinstall kvrag every call.

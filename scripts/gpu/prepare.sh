@@ -20,6 +20,6 @@ PY
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu/whl $pins
-python3 -c 'import sys; from kvrag.model import load_tokenizer; load_tokenizer(None).save_pretrained(sys.argv[1])' .gpu/tokenizer
+python3 -c 'import sys; from kvrag.model.loading import load_tokenizer; load_tokenizer(None).save_pretrained(sys.argv[1])' .gpu/tokenizer
 ls .gpu/whl
 du -sh .gpu

@@ -1,0 +1,1 @@
+"""the per-model correctness gate: checks, noise floor, report."""

@@ -1,0 +1,269 @@
+"""`kvrag ingest`: files checked before any model loads, then chunks read, their KV stored and only
+then indexed, a batch at a time, with a progress bar per stage.
+
+Memory stays flat in the files' size: files are read as they are chunked, each forward batch's KV is
+written to the store and dropped before the next, and a batch is indexed only once its KV is stored,
+so an interrupted ingest keeps what it stored (no index entry without its KV) and a rerun completes
+the rest. A bad file found in a folder is named on stderr and skipped (exit EXIT_SKIPPED when the
+rest went in); one named on the command line is an error before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvrag.errors import KVRagError
+from kvrag.defaults import kvrag_home
+from kvrag.types import Chunk
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_SKIPPED", "INGEST_BATCH", "run_ingest"]
+
+# `kvrag ingest` reads, stores and indexes this many chunks at a time: a group is in the vector index
+# only once its KV is in the store, and nothing of it is kept when the next group is read.
+INGEST_BATCH = 128
+EXIT_SKIPPED = 3  # ingest: everything else was ingested, but some files were skipped (named on stderr)
+EXIT_INTERRUPTED = 130
+
+
+def run_ingest(args: argparse.Namespace, open_engine: Callable[[], tuple[Any, Any]], open_index: Callable[[], Any]) -> int:
+    """`kvrag ingest`: check every file (before any model loads), then stream: chunks are read
+    INGEST_BATCH at a time, their KV computed and stored (each forward batch as soon as it is
+    computed), and only then are they indexed, so an interrupted ingest leaves an index of chunks
+    whose KV is stored, and running it again completes the rest (cached KV and unchanged index
+    entries are not redone). `open_engine()`: (engine, index), called once the files are checked;
+    `open_index()`: the index alone (with --server)."""
+    files, skipped = _ingest_files(args)
+    if not files:
+        print("no text found in the given paths", file=sys.stderr)
+        return 1
+    if args.server:
+        code = _ingest_via_server(args, files, skipped, open_index)
+    else:
+        code = _ingest_locally(args, files, skipped, open_engine)
+    if skipped:
+        print(f"kvrag: {len(skipped)} file(s) skipped: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
+        return code or EXIT_SKIPPED
+    return code
+
+
+def _ingest_files(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
+    """The files to ingest, each read through once before any model loads: a bad file named on the
+    command line is an error (exit 2); a bad one found in a folder is reported and skipped (its
+    path in the list returned beside the files). A folder's symlinks that lead out of it are not
+    followed without --follow-symlinks (each one named on stderr)."""
+    from kvrag.ingest.documents import SkippedPath, document_files
+
+    files: list[Path] = []
+    skipped: list[str] = []
+    walk_notes: list[SkippedPath] = []
+    for raw in args.paths:
+        path = Path(raw)
+        if not path.is_dir():
+            for f in document_files([path]):  # a file named is read as given (a symlink too)
+                problem = _file_problem(f)
+                if problem is not None:
+                    raise KVRagError(problem)
+                files.append(f)
+            continue
+        for f in document_files([path], follow_symlinks=args.follow_symlinks, skipped=walk_notes):
+            problem = _file_problem(f)
+            if problem is None:
+                files.append(f)
+            else:
+                print(f"kvrag: warning: skipping {problem}", file=sys.stderr)
+                skipped.append(str(f))
+    for note in walk_notes:
+        if note.symlink:
+            print(f"kvrag: note: not following {note.path}: {note.reason}", file=sys.stderr)
+        else:
+            print(f"kvrag: warning: skipping {note.path}: {note.reason}", file=sys.stderr)
+            skipped.append(str(note.path))
+    return list(dict.fromkeys(files)), skipped
+
+
+def _file_problem(path: Path) -> str | None:
+    """Why `path` cannot be ingested (not text, a bad .jsonl row, unreadable), naming it; None if it can."""
+    from kvrag.ingest.documents import check_document
+
+    try:
+        check_document(path)
+    except ValueError as exc:  # NotTextError too: the message names the file (and a .jsonl line)
+        return str(exc)
+    except OSError as exc:
+        return f"{path}: cannot be read ({exc.strerror or exc})"
+    return None
+
+
+class _IngestProgress:
+    """One bar per stage of a streamed ingest: chunks read, KV stored, chunks indexed (on stderr).
+
+    The number of chunks is known only once every file is read; until then each bar's total is
+    estimated from the share of the files' bytes read so far (so the ETA is about the whole ingest).
+    `passes`: KV entries per chunk (2 when a weight-changing link adapter keeps its own).
+    """
+
+    def __init__(self, files: Sequence[Path], passes: int = 1, kv_label: str = "KV stored") -> None:
+        self.total_bytes = 0
+        for f in files:
+            try:
+                self.total_bytes += f.stat().st_size
+            except OSError:
+                pass
+        self.bytes = 0
+        self.chunks = 0
+        self.passes = passes
+        self.read = tqdm(desc="chunks read", unit="chunk", position=0, file=sys.stderr)
+        self.kv = tqdm(desc=kv_label, unit="chunk", position=1, file=sys.stderr)
+        self.indexed = tqdm(desc="indexed", unit="chunk", position=2, file=sys.stderr)
+
+    def on_bytes(self, n: int) -> None:
+        self.bytes += n
+
+    def on_chunk(self) -> None:
+        self.chunks += 1
+        self.read.update(1)
+
+    def estimate(self, final: bool = False) -> None:
+        if final or self.bytes >= self.total_bytes:
+            total = self.chunks
+        elif self.bytes:
+            total = max(self.chunks, round(self.chunks * self.total_bytes / self.bytes))
+        else:
+            return
+        for bar, per_chunk in ((self.read, 1), (self.kv, self.passes), (self.indexed, 1)):
+            bar.total = total * per_chunk
+            bar.refresh()
+
+    def write(self, message: str) -> None:
+        tqdm.write(message, file=sys.stderr)
+
+    def close(self) -> None:
+        for bar in (self.read, self.kv, self.indexed):
+            bar.close()
+
+
+def _ingest_chunks(files: Sequence[Path], args: argparse.Namespace, tokenizer: Any, progress: _IngestProgress, skipped: list[str]) -> Iterator[Chunk]:
+    """Chunks of every file, as they are read, each id once. A file that turns bad while it is read
+    (changed since it was checked) is reported and the rest of it skipped."""
+    from kvrag.ingest.documents import iter_file_chunks
+
+    seen: set[str] = set()
+    for f in files:
+        try:
+            for chunk in iter_file_chunks(f, args.max_words, args.max_tokens, tokenizer, check=False, on_bytes=progress.on_bytes):
+                if chunk.id not in seen:
+                    seen.add(chunk.id)
+                    progress.on_chunk()
+                    yield chunk
+        except (ValueError, OSError) as exc:
+            progress.write(f"kvrag: warning: skipping the rest of {f}: {exc}")
+            skipped.append(str(f))
+    progress.estimate(final=True)
+
+
+def _batches(items: Iterable[Chunk], size: int) -> Iterator[list[Chunk]]:
+    it = iter(items)
+    while batch := list(itertools.islice(it, size)):
+        yield batch
+
+
+def _each_batch(progress: _IngestProgress, chunks: Iterable[Chunk], step: Callable[[list[Chunk]], tuple[int, bool]]) -> int | None:
+    """Run `step` (store a batch's KV, then index what was stored: (chunks indexed, whether to go on))
+    on each INGEST_BATCH chunks; returns the chunks indexed, or None when interrupted (Ctrl-C: what
+    was stored and indexed is kept, and said so). Any other error is raised after saying the same."""
+    indexed = 0
+    try:
+        for batch in _batches(chunks, INGEST_BATCH):
+            kept, go_on = step(batch)
+            indexed += kept
+            progress.indexed.update(kept)
+            progress.estimate()
+            if not go_on:
+                break
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"kvrag: interrupted: {indexed} chunks are stored and indexed (kept); run the same command again to "
+              "complete the rest", file=sys.stderr)
+        return None
+    except BaseException:
+        progress.close()
+        print(f"kvrag: {indexed} chunks were stored and indexed before the error (kept)", file=sys.stderr)
+        raise
+    progress.close()
+    return indexed
+
+
+def _ingest_locally(args: argparse.Namespace, files: list[Path], skipped: list[str], open_engine: Callable[[], tuple[Any, Any]]) -> int:
+    from kvrag.kv.repository import PrecomputeReport
+
+    if args.store is None:  # ingest writes to the disk only: a memory tier in front would fill with what this process never reads
+        args.store = f"disk://{kvrag_home() / 'kv'}"
+    rag, index = open_engine()
+    t0 = time.perf_counter()
+    total, not_stored, stopped = PrecomputeReport(), [], []
+    progress = _IngestProgress(files, passes=2 if getattr(rag, "adapter_lm", None) is not None else 1)
+
+    def step(batch: list[Chunk]) -> tuple[int, bool]:
+        report = rag.precompute(batch, batch_size=args.batch_size, progress=progress.kv)
+        for field in ("chunks", "computed", "already_cached", "tokens"):
+            setattr(total, field, getattr(total, field) + getattr(report, field))
+        missed = set(report.not_stored)
+        not_stored.extend(report.not_stored)
+        kept = [c for c in batch if c.id not in missed]
+        index.add(kept, skip_unchanged=True)  # only chunks whose KV is stored: never an index entry without its KV
+        if report.computed and len(missed) == report.computed:  # the store kept nothing: it is down
+            stopped.append("the store kept none of the last batch's KV, so the ingest stopped")
+        return len(kept), not stopped
+
+    if _each_batch(progress, _ingest_chunks(files, args, rag.lm.tokenizer, progress, skipped), step) is None:
+        return EXIT_INTERRUPTED
+    if not total.chunks:
+        print("no text found in the given paths", file=sys.stderr)
+        return 1
+    print(
+        f"ingested {total.chunks} chunks ({total.computed} computed, {total.already_cached} already cached, "
+        f"{total.tokens} tokens) in {time.perf_counter() - t0:.1f}s; store {rag.store.url}",
+        file=sys.stderr,
+    )
+    if not_stored:
+        print(
+            f"kvrag: error: the KV of {len(not_stored)} of {total.computed} computed chunks was not stored "
+            f"(is the store at {rag.store.url} reachable?){''.join('; ' + s for s in stopped)}. They are not indexed: "
+            f"run the same command again to complete. First ids: {', '.join(not_stored[:5])}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _ingest_via_server(args: argparse.Namespace, files: list[Path], skipped: list[str], open_index: Callable[[], Any]) -> int:
+    from kvrag import client
+
+    index = open_index()
+    progress = _IngestProgress(files, kv_label="KV on server")
+    total = {"chunks": 0, "computed": 0, "already_cached": 0, "tokens": 0, "seconds": 0.0}
+
+    def step(batch: list[Chunk]) -> tuple[int, bool]:
+        report = client.ingest_via_server(args.server, batch)  # ServerError when the server's store did not keep some KV
+        for k in total:
+            total[k] += report.get(k, 0)
+        progress.kv.update(len(batch))
+        index.add(batch, skip_unchanged=True)
+        return len(batch), True
+
+    if _each_batch(progress, _ingest_chunks(files, args, None, progress, skipped), step) is None:
+        return EXIT_INTERRUPTED
+    if not total["chunks"]:
+        print("no text found in the given paths", file=sys.stderr)
+        return 1
+    print(f"ingested {total['chunks']} chunks ({total['computed']} computed, {total['already_cached']} already cached, "
+          f"{total['tokens']} tokens) in {total['seconds']:.1f}s on {args.server}", file=sys.stderr)
+    return 0

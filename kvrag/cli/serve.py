@@ -1,0 +1,76 @@
+"""`kvrag serve`: the parser and the command (wired into `kvrag.cli.app` by `add_serve_parser`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvrag.cli.args import link_adapter_arg, ratio_or_auto
+from kvrag.server.settings import ServerSettings
+
+EPILOG = """example:
+  kvrag serve --store redis://127.0.0.1:6379/0 --max-queue 32
+  curl http://127.0.0.1:8600/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "kvrag", "messages": [{"role": "user", "content": "When did the Brannoch Line open?"}],
+         "kvrag": {"chunk_ids": ["doc-1", "doc-7"], "method": "a3", "recompute_ratio": 0.15}}'
+"""
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `serve` to the `kvrag` command's subparsers."""
+    d = ServerSettings()
+    p = subparsers.add_parser(
+        "serve",
+        help="one warm process (model + KV store) answering over HTTP: OpenAI-compatible chat, ingest, metrics",
+        description="Serve kvrag over HTTP. Loopback only unless --host is given; there is no authentication.",
+        epilog=EPILOG,
+        formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32),
+    )
+    p.add_argument("--host", default=argparse.SUPPRESS,
+                   help=f"interface to bind (default: {d.host}, this machine only); any other is reachable by others, unauthenticated")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port")
+    p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help="KV store URL (default: disk under $KVRAG_HOME/kv); redis://... to share it between replicas")
+    p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=d.device, help="auto (CUDA when present), cuda or cpu")
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="requests running on the engine at once")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot; more get 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body limit (413 above)")
+    p.add_argument("--max-chunks", type=int, default=d.max_chunks, help="chunks per request (413 above)")
+    p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens, help="tokens of text per request (413 above)")
+    p.add_argument("--link-adapter", default=d.link_adapter, type=link_adapter_arg,
+                   help="auto/links: the shipped link embeddings (base weights); tuned: the shipped LoRA on kvlink's fast path; none; or a file")
+    p.add_argument("--method", default=d.method, help="method when a request names none (see `kvrag methods`; default: the engine's, "
+                                                      "kvlink over a tuned model, else cacheblend)")
+    p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
+    p.add_argument("--accept-any-model", action="store_true", default=d.accept_any_model,
+                   help='answer whatever `model` a chat request names (default: only the served model or "kvrag"; others get 404 model_not_found)')
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        host=getattr(args, "host", None) or ServerSettings.host,
+        port=args.port,
+        store=args.store,
+        model=args.model,
+        device=args.device,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_chunks=args.max_chunks,
+        max_request_tokens=args.max_request_tokens,
+        link_adapter=args.link_adapter,
+        method=args.method,
+        recompute_ratio=args.recompute_ratio,
+        max_new_tokens=args.max_new_tokens,
+        accept_any_model=args.accept_any_model,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server until Ctrl-C (blocks)."""
+    from kvrag.server.runner import serve
+
+    serve(settings_from_args(args))
+    return 0

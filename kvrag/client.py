@@ -1,0 +1,196 @@
+"""The client side of `kvrag ask/ingest --server URL`: talk to a running `kvrag serve` with the
+standard library only, so the CLI needs no HTTP dependency and never loads a model."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Iterable, Iterator, Sequence
+
+from kvrag.methods.auto_ratio import AutoRatio
+from kvrag.errors import KVRagError
+from kvrag.pipeline import AnswerStream
+from kvrag.options import AnswerOptions
+from kvrag.types import AnswerStats, Chunk
+
+
+class ServerError(KVRagError):
+    """The server could not be reached, or answered with an error (its message is kept)."""
+
+
+def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    return _call(url, path, "POST", body, timeout)
+
+
+def _call(url: str, path: str, method: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+    with _open(url, path, method, body, timeout) as resp:
+        return json.loads(resp.read().decode("utf-8"))
+
+
+def _open(url: str, path: str, method: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    """The open HTTP response; unreachable servers and error answers as ServerError."""
+    full = url.rstrip("/") + path
+    data = json.dumps(body).encode("utf-8") if body is not None else None
+    req = urllib.request.Request(full, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        raise ServerError(f"{full}: HTTP {exc.code}: {_message(exc)}") from None
+    except urllib.error.URLError as exc:
+        raise ServerError(f"cannot reach the kvrag server at {url} ({exc.reason}); is `kvrag serve` running there?") from None
+    except (TimeoutError, ConnectionError) as exc:
+        raise ServerError(f"cannot reach the kvrag server at {url} ({exc}); is `kvrag serve` running there?") from None
+
+
+def _message(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read().decode("utf-8"))
+        return str(body["error"]["message"])
+    except Exception:
+        return str(exc.reason)
+
+
+def stats_from_dict(d: dict[str, Any]) -> AnswerStats:
+    """AnswerStats from the server's `kvrag_stats` (derived and unknown fields ignored)."""
+    known = AnswerStats.__dataclass_fields__
+    return AnswerStats(**{k: v for k, v in d.items() if k in known})
+
+
+def ask_via_server(
+    url: str,
+    question: str,
+    chunk_ids: Sequence[str] | None = None,
+    *,
+    chunks: Sequence[Chunk] | None = None,
+    method: str | None = None,
+    recompute_ratio: float | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    params: dict[str, Any] | None = None,
+    timeout: float = 300.0,
+) -> tuple[str, AnswerStats]:
+    """Answer `question` on the server at `url` (e.g. http://127.0.0.1:8600), from chunks by id or
+    with their text (none: plain chat). Returns the answer's text and the engine's stats."""
+    body: dict[str, Any] = {"model": "kvrag", "messages": [{"role": "user", "content": question}]}
+    if max_new_tokens is not None:
+        body["max_tokens"] = max_new_tokens
+    if temperature is not None:
+        body["temperature"] = temperature
+    ctx: dict[str, Any] = {}
+    if chunk_ids is not None:
+        ctx["chunk_ids"] = list(chunk_ids)
+    if chunks is not None:
+        ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
+    if method is not None:
+        ctx["method"] = method
+    if recompute_ratio is not None:
+        ctx["recompute_ratio"] = recompute_ratio
+    if params:
+        ctx["params"] = dict(params)
+    if ctx:
+        body["kvrag"] = ctx
+    out = _post(url, "/v1/chat/completions", body, timeout)
+    return out["choices"][0]["message"]["content"], stats_from_dict(out.get("kvrag_stats", {}))
+
+
+def ingest_via_server(url: str, chunks: Iterable[Chunk], batch: int = 64, timeout: float = 600.0) -> dict[str, Any]:
+    """Ingest chunks on the server (in requests of `batch`, the server's per-request limit by
+    default); returns the summed report: chunks, computed, already_cached, tokens, seconds.
+    ServerError when the server refuses a batch, or answers that its store did not keep some KV
+    (a 503 naming the chunks; the batches after it are not sent)."""
+    items = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
+    total = {"chunks": 0, "computed": 0, "already_cached": 0, "tokens": 0, "seconds": 0.0}
+    for i in range(0, len(items), batch):
+        out = _post(url, "/v1/chunks", {"chunks": items[i : i + batch]}, timeout)
+        for k in total:
+            total[k] += out.get(k, 0)
+    return total
+
+
+def delete_via_server(url: str, chunk_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    from urllib.parse import quote
+
+    segment = quote(chunk_id, safe="")
+    if segment in (".", ".."):  # a dot segment would be resolved away by URL normalisation
+        segment = segment.replace(".", "%2E")
+    return _call(url, "/v1/chunks/" + segment, "DELETE", None, timeout)
+
+
+def health(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    return _call(url, "/health", "GET", None, timeout)
+
+
+def request_body(
+    text: str,
+    chunk_ids: Sequence[str] | None = None,
+    chunks: Sequence[Chunk] | None = None,
+    options: AnswerOptions | None = None,
+    stream: bool = False,
+) -> dict[str, Any]:
+    """The chat request for one question (with chunks) or one ready-made prompt (without), carrying
+    `options` as the local engine would read them. A lone user message reaches the engine untouched,
+    so a prompt built client-side (e.g. LangChain's `messages_to_prompt`) is read exactly as locally."""
+    opts = options or AnswerOptions()
+    if opts.evict is not None:
+        raise ValueError("evict= (SnapKV) is not available through the server")
+    method = opts.method if opts.method is None or isinstance(opts.method, str) else opts.method.name  # None: the server's
+    dec = opts.decode
+    body: dict[str, Any] = {
+        "model": "kvrag", "messages": [{"role": "user", "content": text}], "stream": stream,
+        "max_tokens": dec.max_new_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
+    }
+    if dec.stop:
+        body["stop"] = list(dec.stop)
+    if dec.seed is not None:
+        body["seed"] = dec.seed
+    ratio = "auto" if isinstance(opts.recompute_ratio, AutoRatio) else opts.recompute_ratio
+    ctx: dict[str, Any] = {"method": method, "recompute_ratio": ratio, "kv_kind": opts.kv_kind, "stop_at": dec.stop_at,
+                           "params": dict(opts.method_params)}
+    if chunks is not None:
+        ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
+    elif chunk_ids is not None:
+        ctx["chunk_ids"] = list(chunk_ids)
+    body["kvrag"] = ctx
+    return body
+
+
+class RemoteStream(AnswerStream):
+    """An `AnswerStream` over a server's SSE answer: iterate for text pieces; `.stats` is the same
+    object throughout and is filled in place when the last chunk arrives."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout: float = 300.0) -> None:
+        self._resp = _open(url, "/v1/chat/completions", "POST", {**body, "stream": True}, timeout)
+        ctx = body.get("kvrag", {})
+        chunk_ids = [c["id"] for c in ctx.get("chunks", ())] or list(ctx.get("chunk_ids", ()))
+        super().__init__(self._events(), AnswerStats(), chunk_ids)
+
+    def _events(self) -> Iterator[str]:
+        with self._resp as resp:
+            for raw in resp:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    raise ServerError(str(event["error"].get("message")))
+                if "kvrag_stats" in event:
+                    for k, v in stats_from_dict(event["kvrag_stats"]).__dict__.items():
+                        setattr(self.stats, k, v)
+                piece = event["choices"][0]["delta"].get("content") if event.get("choices") else None
+                if piece:
+                    yield piece
+
+
+def stream_via_server(
+    url: str,
+    text: str,
+    chunk_ids: Sequence[str] | None = None,
+    *,
+    chunks: Sequence[Chunk] | None = None,
+    options: AnswerOptions | None = None,
+    timeout: float = 300.0,
+) -> RemoteStream:
+    """What `rag.stream(text, chunk_ids, chunks=..., options=...)` (with chunks) or
+    `rag.complete(text, options=...)` (without) return, answered by the server at `url`."""
+    return RemoteStream(url, request_body(text, chunk_ids, chunks, options), timeout)

@@ -1,0 +1,1 @@
+"""the token loop after the prefill, and its static-buffer variant."""

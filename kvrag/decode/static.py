@@ -1,0 +1,257 @@
+"""Decoding over a preallocated static KV cache: one fixed-shape step per token, capturable in a CUDA graph.
+
+Why: on a GPU a small model's decode step costs mostly kernel launches (hundreds per token), and
+replaying a captured CUDA graph issues them all at once. A graph replays fixed shapes and fixed
+buffer addresses, so the step (`StaticStep.run`) never lets a per-token Python number into the
+model's inputs:
+
+- the KV buffers are the prefilled cache's own (the room reserved after the context, grown once
+  here if it is too small); each step writes its K/V at the `slot` tensor (index_copy_) and attends
+  over the whole buffer;
+- the mask comes from `slot`: every slot up to it is visible (every held slot, a sparse stitched
+  context's included whatever their global positions, precedes the answer) and the unused room is
+  hidden (and zeroed, so no uninitialised NaN can leak through a masked weight of 0);
+- the RoPE position is the `position` tensor: the global next position, not the slot index.
+
+Sampling stays outside the step, on the returned logits with the caller's generator, so a graphed
+decode picks its tokens exactly as the eager one does.
+
+The same `StaticStep.run` runs eagerly (on the CPU, where tests check its tokens against the
+growing-cache decode) and is captured on CUDA by `StaticDecoder`. The capture path is never run by
+the CPU test suite: tests/test_cuda.py checks graph == eager tokens on a GPU.
+
+Like kvrag.model.cache, this module touches transformers' Cache API (5.x): `SlotLayer` is a cache layer
+of fixed capacity. It decodes in a SpliceLayer's reserved room (`SpliceLayer.room`) and hands the
+grown length back when decoding ends (`SpliceLayer.adopt`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvrag.model.cache import SpliceLayer, cache_arg
+
+log = logging.getLogger(__name__)
+# torch allows one graph capture at a time per process; engines over different models may decode in parallel threads
+_CAPTURE_LOCK = threading.Lock()
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class SlotLayer(CacheLayerMixin):
+    """A layer over fixed [1, kv_heads, capacity, d] buffers: `update` writes the step's K/V at the
+    shared `slot` tensor and returns the whole buffers (the mask hides what is not written yet)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.slot = keys, values, slot
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the buffers exist before the first step."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> KV:
+        self.keys.index_copy_(2, self.slot, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.slot, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+    def get_seq_length(self) -> int:
+        """The capacity (a fixed number; the tokens held are only known as the `slot` tensor)."""
+        return self.keys.shape[-2]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class SlotCache(Cache):
+    """The static cache a `StaticStep` decodes into: one `SlotLayer` per model layer."""
+
+    def __init__(self, buffers: Sequence[KV], slot: torch.Tensor) -> None:
+        super().__init__(layers=[SlotLayer(k, v, slot) for k, v in buffers])
+
+
+class StaticStep:
+    """One decode step over fixed-shape inputs. `set` fills them outside; `run` is the region a
+    CUDA graph captures (on the CPU it simply runs), returning the next token's logits [vocab]."""
+
+    def __init__(self, model: Any, buffers: Sequence[KV], dtype: torch.dtype, device: torch.device) -> None:
+        capacity = buffers[0][0].shape[-2]
+        self.model = model
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.cache = SlotCache(buffers, self.slot)
+        self._slots = torch.arange(capacity, device=device)
+        self._visible = torch.zeros((), dtype=dtype, device=device)
+        self._hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
+
+    def set(self, token: int, position: int, slot: int) -> None:
+        """The step's inputs, written in place (their addresses are what a graph reads)."""
+        self.token.fill_(token)
+        self.position.fill_(position)
+        self.slot.fill_(slot)
+
+    @torch.no_grad()
+    def run(self) -> torch.Tensor:
+        """The forward of `token` at `position`, writing slot `slot`; no host sync, no shape that changes."""
+        mask = torch.where(self._slots <= self.slot, self._visible, self._hidden)[None, None, None]
+        out = self.model(
+            input_ids=self.token,
+            position_ids=self.position,
+            attention_mask=mask,
+            **cache_arg(self.model, self.cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1]
+
+
+def supports(cache: Any) -> bool:
+    """Whether `cache` can be decoded statically: one sequence, every layer holding the same slot count
+    (one mask serves all layers). SnapKV's gathered caches qualify; anything else decodes eagerly."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
+        return False
+    lengths = {layer.keys.shape[-2] for layer in layers}
+    return len(lengths) == 1 and all(layer.keys.shape[0] == 1 for layer in layers)
+
+
+class StaticDecoder:
+    """Steps a prefilled cache token by token through one `StaticStep`, replayed from a CUDA graph when
+    `graph` (default: on CUDA). Called as `decoder(token, position) -> logits`; `close()` hands the
+    written length back to the cache, so it reads afterwards as if decoded by appending."""
+
+    WARMUP = 2  # eager runs on a side stream before capture (allocator, cuBLAS/SDPA lazy setup)
+
+    def __init__(self, lm: Any, cache: Any, steps: int, graph: bool | None = None) -> None:
+        """`steps`: the most forwards this decode can take (the capacity is made to hold them)."""
+        if not supports(cache):
+            raise ValueError("this cache cannot be decoded statically (layers of different lengths, or a batch)")
+        t = time.perf_counter()
+        self.cache = cache
+        self.start = cache.layers[0].keys.shape[-2]
+        self.buffers = [_room(layer, self.start + steps) for layer in cache.layers]
+        self.capacity = self.buffers[0][0].shape[-2]
+        self.written = 0
+        self.step = StaticStep(lm.model, self.buffers, lm.dtype, lm.device)
+        self.graph = lm.device.type == "cuda" if graph is None else graph
+        self._graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self._out: torch.Tensor | None = None
+        self.replays = 0  # steps served by replaying the graph (tests read it: the capture did not fall back)
+        # the one-time cost before the first step: the static room, and on CUDA the graph's warm-up and
+        # capture (synchronised, so it includes the room's copy on the device); `AnswerStats.decode_setup_s`
+        self.setup_s = time.perf_counter() - t
+
+    @property
+    def captured(self) -> bool:
+        """Whether the steps replay a captured CUDA graph (tests read this)."""
+        return self._graph is not None
+
+    @torch.no_grad()
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        """Logits after feeding `token` at global `position`; valid until the next call."""
+        slot = self.start + self.written
+        if slot >= self.capacity:
+            raise RuntimeError(f"static decode ran out of its {self.capacity - self.start} reserved slots")
+        self.step.set(token, position, slot)
+        logits = self._replay() if self.graph else self.step.run()
+        self.written += 1
+        return logits
+
+    def _replay(self) -> torch.Tensor:
+        if self._graph is None:
+            t = time.perf_counter()
+            try:
+                self._out = self._capture()
+            except RuntimeError as err:  # e.g. a rope variant that syncs on the host: decode eagerly instead
+                log.warning("CUDA graph capture failed (%s); decoding this answer without a graph", err)
+                self.graph = False
+                return self.step.run()
+            finally:
+                self.setup_s += time.perf_counter() - t
+        self._graph.replay()
+        self.replays += 1
+        assert self._out is not None
+        return self._out
+
+    def _capture(self) -> torch.Tensor:
+        """Capture `StaticStep.run` (GPU only; never run by the CPU tests). The warm-up runs compute this
+        very step (same inputs, same slot), so the replay that follows rewrites the same K/V. Once per
+        answer: the graph holds this answer's buffers (`decode_setup_s` says what that costs)."""
+        with _CAPTURE_LOCK:
+            return self._capture_now()
+
+    def _capture_now(self) -> torch.Tensor:
+        """Warm up and capture on a side stream with CUDAGraph's own begin/end. Not `torch.cuda.graph`:
+        on entering, it synchronises the device and empties the device's caching allocator and (torch
+        2.13) the pinned host one, so after every answer the store's next pinned read buffers would be
+        page-locked afresh (cudaHostAlloc, ~GB/s), and older torch versions run gc.collect() there too.
+        The CUDA tests (tests/test_cuda.py) check the replayed tokens against eager decoding."""
+        device = self.step.token.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP):
+                self.step.run()
+            # thread_local: other threads (store loads, other engines) may use CUDA while this one captures
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = self.step.run()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:  # the capture was invalidated by what failed: nothing to end
+                    pass
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)  # the set-up's time is the device's too
+        self._graph = graph
+        return out
+
+    def close(self) -> None:
+        """Hand the written length back to the cache's layers and free the graph (and its memory pool)."""
+        length = self.start + self.written
+        for layer, (kbuf, vbuf) in zip(self.cache.layers, self.buffers):
+            _adopt(layer, kbuf, vbuf, length)
+        self._graph = self._out = None
+
+
+def _room(layer: Any, capacity: int) -> KV:
+    """Buffers [1, kv_heads, >= capacity, d] whose first slots are the layer's: a SpliceLayer's own
+    (grown once if its reserved room is short), else a copy. The unused room is zeroed (finite)."""
+    n = layer.keys.shape[-2]
+    if isinstance(layer, SpliceLayer):
+        kbuf, vbuf = layer.room(capacity)
+    else:
+        kbuf, vbuf = _with_room(layer.keys, capacity), _with_room(layer.values, capacity)
+    kbuf[..., n:, :].zero_()
+    vbuf[..., n:, :].zero_()
+    return kbuf, vbuf
+
+
+def _with_room(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    buf = t.new_empty(*t.shape[:-2], capacity, t.shape[-1])
+    buf[..., : t.shape[-2], :] = t
+    return buf
+
+
+def _adopt(layer: Any, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
+    """Make the layer hold the first `length` slots of these buffers (a SpliceLayer keeps them as its room)."""
+    if isinstance(layer, SpliceLayer):
+        layer.adopt(kbuf, vbuf, length)
+    else:
+        layer.keys, layer.values = kbuf[..., :length, :], vbuf[..., :length, :]

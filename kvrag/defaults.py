@@ -1,0 +1,58 @@
+"""The words and defaults that a request, the command line and the server share.
+
+Nothing here imports torch, so `kvrag --help` and `kvrag ask --server URL` start at once; the modules
+that act on these values (options, decode, links, training, the disk store) import them from here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# The default fast setting over a model's own weights: the r = 0.15 method that recovered most of the
+# reuse -> Full gap in the 300-question nq10_dev run (docs/bench/nq10-300: normalised 0.35, vs 0.19
+# fusionrag, 0.08 epic); on the 400 held-out questions (docs/bench/nq10-400) no r = 0.15 method
+# separates from it within the 95% intervals. A model served with a tuned link adapter answers with "kvlink" instead
+# (`KVRag.default_method`): options leave the method None and the engine fills it in.
+DEFAULT_METHOD = "cacheblend"
+TUNED_METHOD = "kvlink"
+RATIO_FREE = ("full", "reuse", TUNED_METHOD)  # methods that, as named, recompute no chosen share of chunk tokens
+DEFAULT_RATIO = 0.15
+# Every answer recomputes at least this many chunk tokens, and reads chunks that hold no more than this
+# with Full Attention over the base weights. Recomputing a fixed number of tokens costs a fixed, small
+# time (~0.1 s on a 2-core CPU), while r = 0.15 of a short context is a handful of tokens: on
+# one-sentence documents reuse at r = 0.15 lost 4 of the 9 facts Full got (MEASURED.md). At 10 passages
+# (~1,250 tokens) r = 0.15 already recomputes more, so long prompts keep their speed. `stats.full_reason`
+# and `stats.recompute_ratio` say what was done; 0 turns it off.
+DEFAULT_MIN_RECOMPUTE = 160
+# A context of at most this many chunk tokens is read whole, with Full Attention, by every method: it is
+# cheap to read (~1 s on a 2-core CPU, milliseconds on a GPU) and reuse saves little there, while on the
+# bundled sample (top-5 retrieval, ~570-650 tokens) cacheblend@0.15 lost 8 of the 21 phrasings base Full
+# answered right (4 still at min_recompute 320). 10-passage prompts (~950-1,550 tokens) stay fast.
+# `stats.full_reason` says when it applied; 0 turns it off.
+DEFAULT_SHORT_CONTEXT = 768
+# Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
+DEFAULT_STOP_AT = "sentence"
+
+STOP_RULES = ("none", "line", "sentence")  # when an answer is complete (kvrag.decode.stream)
+
+# the `link_adapter=` / `--link-adapter` words that name shipped adapters (kvrag.fuse.links)
+SHIPPED_SPECS = ("auto", "links", "tuned")
+DEFAULT_MAX_CHUNKS = 10  # chunk indices with their own link rows (KVLink's reference code: 10)
+LINK_MODES = ("links", "lora", "full")  # what KVLink training changes: link rows, + LoRA, + every weight
+OBJECTIVES = ("gold", "distill")  # KVLink training's loss: gold answers, or distillation from base Full Attention
+
+
+def names_no_adapter(spec: object) -> bool:
+    """Whether `link_adapter=spec` asks for the base weights: None, or "none" in any case (the
+    command line's spelling, so the API and `--link-adapter none` read the same word alike)."""
+    return spec is None or (isinstance(spec, str) and spec.lower() == "none")
+
+
+LAYERWISE_CHOICES = ("auto", "on", "off", "both")  # `kvrag bench speed --layerwise`
+STALE_TEMP_S = 3600.0  # a disk writer's temp file older than this is abandoned (`kvrag store gc`)
+
+
+def kvrag_home() -> Path:
+    """Where kvrag keeps everything it writes ($KVRAG_HOME, default ~/.kvrag)."""
+    return Path(os.environ.get("KVRAG_HOME", Path.home() / ".kvrag")).expanduser()

@@ -1,0 +1,1 @@
+"""files -> chunks -> vector index: reading documents, splitting, retrieval."""

@@ -1,0 +1,1 @@
+"""chunk KV: the prompt layout, computing it, validating entries, loading and storing them."""

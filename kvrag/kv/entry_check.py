@@ -1,0 +1,83 @@
+"""What a stored entry must prove before its KV is used: whose it is, which tokens, which shape, finite.
+
+A checksum only says the bytes are the ones written. An entry copied over another key, written by
+a model with other heads, or holding NaNs passes it, so every read is checked against what the
+request expects, and any mismatch is a miss that gets recomputed and replaced.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Sequence
+
+import torch
+
+from kvrag.cache_backends import KVEntry
+from kvrag.model.loading import LoadedModel, text_config
+
+
+def kv_shape(lm: LoadedModel) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of this model's KV."""
+    cfg = text_config(lm.model)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def entry_problem(
+    entry: KVEntry,
+    lm: LoadedModel,
+    layout_identity: str,
+    kind: str,
+    token_ids: Sequence[int] | None,
+    n_tokens: int,
+) -> str | None:
+    """Why this entry must not be used for (kind, token_ids), or None when it may."""
+    m = entry.meta
+    if m.get("model") != lm.fingerprint or m.get("layout") != layout_identity or m.get("kind") != kind:
+        return "written by another model, prompt layout or kind"
+    layers, kv_heads, head_dim = kv_shape(lm)
+    want = (layers, kv_heads, n_tokens, head_dim)
+    for name, t in (("keys", entry.keys), ("values", entry.values)):
+        if tuple(t.shape) != want:
+            return f"{name} shape {tuple(t.shape)}, expected {want}"
+        if not t.dtype.is_floating_point:
+            return f"{name} dtype {t.dtype} is not a float type"
+    if token_ids is not None:
+        if entry.token_ids is None:
+            return "no token ids stored"
+        stored = entry.token_ids.reshape(-1)
+        if stored.numel() != len(token_ids) or not torch.equal(stored.cpu().to(torch.int64), torch.as_tensor(list(token_ids), dtype=torch.int64)):
+            return "its token ids are another chunk's"
+    if not all_finite(entry.keys) or not all_finite(entry.values):
+        return "non-finite values"
+    return None
+
+
+# tensor id -> (a weak reference to it, its version counter when found finite). Memory tiers hand
+# back the same tensors on every hit, so each is scanned once while it lives and stays unmodified.
+_FINITE: dict[int, tuple[weakref.ref, int]] = {}
+_FINITE_LOCK = threading.Lock()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite; a tensor already found finite and not modified since
+    (same object, same in-place version) is not scanned again."""
+    key = id(t)
+    with _FINITE_LOCK:
+        seen = _FINITE.get(key)
+    if seen is not None and seen[0]() is t and seen[1] == t._version:
+        return True
+    if not bool(torch.isfinite(t).all()):
+        return False
+    with _FINITE_LOCK:
+        _FINITE[key] = (weakref.ref(t, lambda _ref, key=key: _forget(key, _ref)), t._version)
+    return True
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    with _FINITE_LOCK:
+        if key in _FINITE and _FINITE[key][0] is ref:
+            del _FINITE[key]
