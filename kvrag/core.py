@@ -15,7 +15,8 @@ from kvrag.model.loading import LoadedModel, kvrag_home
 from kvrag.kv.kinds import KIND_CHUNK
 from kvrag.options import DEFAULT_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
-from kvrag.kv.precompute import KVComputer, LayerStack
+from kvrag.kv.precompute import KVComputer
+from kvrag.model.cache import LayerStack
 from kvrag.ingest.prompt_match import match_prompt
 from kvrag.kv.repository import KVRepository, PrecomputeReport, Resolved
 from kvrag.model.rope import Rotary

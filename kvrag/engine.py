@@ -16,7 +16,8 @@ from kvrag.cache_backends import KVStore
 from kvrag.check.gate import gate
 from kvrag.core import KVRagCore
 from kvrag.kv.layout import PromptLayout
-from kvrag.fuse.links import SHIPPED_SPECS, LinkAdapter, apply_adapter, check_adapter, load_adapter, names_no_adapter, shipped_adapter_paths
+from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
+from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
 from kvrag.model.loading import LoadedModel, load_model
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
 from kvrag.options import DEFAULT_METHOD, TUNED_METHOD, AnswerOptions

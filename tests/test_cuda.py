@@ -133,7 +133,7 @@ def test_kvlink_training_runs_on_cuda_and_its_adapter_serves(tmp_path, mode):
     """`kvrag train-links` on the GPU: the same recipe as on the CPU, loss finite, adapter loads and answers."""
     if mode == "lora":
         pytest.importorskip("peft")
-    from kvrag.fuse.links import load_adapter
+    from kvrag.link_adapter import load_adapter
     from kvrag.train import TrainConfig, train
 
     lm = cuda_lm("llama", torch.float32)

@@ -11,7 +11,7 @@ import torch
 
 from kvrag import KVRag, from_model
 from kvrag.decode.stream import eos_ids
-from kvrag.fuse.links import read_adapter_header
+from kvrag.link_adapter import read_adapter_header
 from kvrag.model.rope import Rotary
 from kvrag.cli.train import add_train_links_parser
 from kvrag.training.config import DISTILL_KEYS, TrainConfig

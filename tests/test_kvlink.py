@@ -17,16 +17,8 @@ from kvrag.engine import _AdapterPath
 from kvrag.options import AnswerOptions
 from kvrag.errors import AdapterMismatchError
 from kvrag.kv.layout import LAYOUT_VERSION, Segments
-from kvrag.fuse.links import (
-    LinkAdapter,
-    adapter_header,
-    apply_adapter,
-    default_link_embeds,
-    link_rows,
-    load_adapter,
-    read_adapter_header,
-    save_adapter,
-)
+from kvrag.fuse.links import default_link_embeds, link_rows
+from kvrag.link_adapter import LinkAdapter, adapter_header, apply_adapter, load_adapter, read_adapter_header, save_adapter
 from kvrag.methods import get_method, token_budget
 from kvrag.model.rope import Rotary
 from kvrag.train import (

@@ -133,7 +133,7 @@ def test_probe_attention_equals_the_models_own_attention_weights():
     """The probe's softmax attention is what the eager attention computes inside the model."""
     from kvrag.model.cache import SpliceCache
     from kvrag.model.masks import causal_mask_by_position
-    from kvrag.kv.precompute import unstack_layers
+    from kvrag.model.cache import unstack_layers
     from kvrag.fuse.probe import attention_probs
 
     for arch in ("llama", "qwen3"):

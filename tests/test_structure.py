@@ -206,7 +206,7 @@ ROOMS = [
     ("model", ["kvrag.model"]),
     ("ingest", ["kvrag.ingest"]),
     ("kv", ["kvrag.kv"]),
-    ("fuse", ["kvrag.fuse"]),
+    ("fuse", ["kvrag.fuse", "kvrag.link_adapter"]),
     ("select and decode", ["kvrag.methods", "kvrag.decode"]),
     ("request", ["kvrag.options", "kvrag.pipeline", "kvrag.core"]),
     ("gate", ["kvrag.check"]),

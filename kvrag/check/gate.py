@@ -56,7 +56,7 @@ from kvrag.model.loading import (
 from kvrag.model.cache import cache_arg, cache_kv, empty_cache
 from kvrag.core import KVRagCore
 from kvrag.kv.kinds import KIND_CHUNK
-from kvrag.kv.precompute import stack_layers
+from kvrag.model.cache import stack_layers
 from kvrag.types import Chunk
 from kvrag.version import __version__
 

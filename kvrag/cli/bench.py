@@ -154,7 +154,7 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
     """`kvrag eval suite`: every set at every length over the base weights (and the tuned adapter's
     kvlink), the rule applied; see kvrag.eval.suite."""
     from kvrag.eval.suite import SETS, TUNED, collect, run_suite, write_suite
-    from kvrag.fuse.links import SHIPPED_ADAPTERS, SHIPPED_DIR
+    from kvrag.link_adapter import SHIPPED_ADAPTERS, SHIPPED_DIR
 
     sets = [s for s in args.sets.split(",") if s]
     unknown = [s for s in sets if s not in SETS]

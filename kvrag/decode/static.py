@@ -20,9 +20,9 @@ The same `StaticStep.run` runs eagerly (on the CPU, where tests check its tokens
 growing-cache decode) and is captured on CUDA by `StaticDecoder`. The capture path is never run by
 the CPU test suite: tests/test_cuda.py checks graph == eager tokens on a GPU.
 
-Like kvrag.model.cache, this module touches transformers' Cache API (5.x): `SlotLayer` is a cache layer
-of fixed capacity. It decodes in a SpliceLayer's reserved room (`SpliceLayer.room`) and hands the
-grown length back when decoding ends (`SpliceLayer.adopt`).
+Its cache is `kvrag.model.cache.SlotCache` (every transformers Cache subclass lives there): a layer of
+fixed capacity that decodes in a SpliceLayer's reserved room (`SpliceLayer.room`) and hands the grown
+length back when decoding ends (`SpliceLayer.adopt`).
 """
 
 from __future__ import annotations
@@ -33,53 +33,14 @@ import time
 from typing import Any, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvrag.model.cache import SpliceLayer, cache_arg
+from kvrag.model.cache import SlotCache, SpliceLayer, cache_arg
 
 log = logging.getLogger(__name__)
 # torch allows one graph capture at a time per process; engines over different models may decode in parallel threads
 _CAPTURE_LOCK = threading.Lock()
 
 KV = tuple[torch.Tensor, torch.Tensor]
-
-
-class SlotLayer(CacheLayerMixin):
-    """A layer over fixed [1, kv_heads, capacity, d] buffers: `update` writes the step's K/V at the
-    shared `slot` tensor and returns the whole buffers (the mask hides what is not written yet)."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
-        super().__init__()
-        self.keys, self.values, self.slot = keys, values, slot
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: the buffers exist before the first step."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> KV:
-        self.keys.index_copy_(2, self.slot, key_states.to(self.keys.dtype))
-        self.values.index_copy_(2, self.slot, value_states.to(self.values.dtype))
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[-2], 0
-
-    def get_seq_length(self) -> int:
-        """The capacity (a fixed number; the tokens held are only known as the `slot` tensor)."""
-        return self.keys.shape[-2]
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[-2]
-
-
-class SlotCache(Cache):
-    """The static cache a `StaticStep` decodes into: one `SlotLayer` per model layer."""
-
-    def __init__(self, buffers: Sequence[KV], slot: torch.Tensor) -> None:
-        super().__init__(layers=[SlotLayer(k, v, slot) for k, v in buffers])
 
 
 class StaticStep:

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import torch
 
 from kvrag.kv.layout import Segments
-from kvrag.kv.precompute import LayerStack
+from kvrag.model.cache import LayerStack
 from kvrag.model.rope import Rotary
 from kvrag.timing import clock
 

@@ -19,7 +19,7 @@ from kvrag.model.cache import SpliceCache, layer_kv
 from kvrag.fuse.stitch import Stitched, forward_pass, pass_inputs
 from kvrag.model.masks import question_attention
 from kvrag.model.loading import LoadedModel, decoder_of
-from kvrag.kv.precompute import unstack_layers
+from kvrag.model.cache import unstack_layers
 from kvrag.model.rope import Rotary
 
 

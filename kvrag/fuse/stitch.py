@@ -29,7 +29,7 @@ from kvrag.model.attention import PassSpec, Rule, attending_by, uses_spec
 from kvrag.fuse.links import embed_with_links, link_picture
 from kvrag.model.masks import additive, causal_allowed
 from kvrag.model.loading import LoadedModel
-from kvrag.kv.precompute import LayerStack, unstack_layers
+from kvrag.model.cache import LayerStack, unstack_layers
 from kvrag.model.rope import Rotary
 
 # A key slot no query may see in this pass (a link slot the pass does not compute).

@@ -11,24 +11,9 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from kvrag.model.cache import KV, cache_arg, cache_kv, empty_cache, prefix_cache
+from kvrag.model.cache import LayerStack, cache_arg, cache_kv, empty_cache, prefix_cache, stack_layers
 from kvrag.model.loading import LoadedModel
 from kvrag.model.rope import Rotary
-
-LayerStack = tuple[torch.Tensor, torch.Tensor]  # keys, values: [layers, kv_heads, tokens, head_dim]
-
-
-def stack_layers(kv: Sequence[KV], start: int = 0, end: int | None = None, row: int = 0) -> LayerStack:
-    """Per-layer [batch, h, t, d] tensors -> one [layers, h, t, d] pair for batch row `row`."""
-    keys = torch.stack([k[row, :, start:end] for k, _ in kv])
-    values = torch.stack([v[row, :, start:end] for _, v in kv])
-    return keys, values
-
-
-def unstack_layers(keys: torch.Tensor, values: torch.Tensor) -> list[KV]:
-    """[layers, h, t, d] -> per-layer [1, h, t, d] views."""
-    return [(keys[i : i + 1], values[i : i + 1]) for i in range(keys.shape[0])]
-
 
 class KVComputer:
     """Runs the model to produce prefix and chunk KV."""

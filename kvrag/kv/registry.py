@@ -1,7 +1,7 @@
 """Chunks by id: the request's chunks resolved to token ids and keys, the registry of known chunks,
 and the store's node-id index (so a process that never saw a chunk finds it by id).
 
-`ChunkIndex` is the id half of `KVRepository` (kvrag.kv.repository), which supplies the keys
+`ChunkRegistry` is the id half of `KVRepository` (kvrag.kv.repository), which supplies the keys
 (`key`), entry checks (`valid`), the guarded store and the layout it relies on.
 """
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _REQUEST_SCOPED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvrag_request_scoped_chunks", default=False)
-MAX_TOMBSTONES = 65536  # forgotten ids remembered where the store cannot unlink them (see `ChunkIndex.unlink`)
+MAX_TOMBSTONES = 65536  # forgotten ids remembered where the store cannot unlink them (see `ChunkRegistry.unlink`)
 SHARE_SCAN_LIMIT = 10_000  # forgetting an id reads the store's whole id index only up to this many ids
 
 
@@ -84,7 +84,7 @@ class Resolved:
     read_s: float = 0.0  # time that read took (part of the answer's load time and TTFT)
 
 
-class ChunkIndex:
+class ChunkRegistry:
     """Chunks by id, here and in the store's node-id index (the id half of KVRepository)."""
 
     lm: LoadedModel

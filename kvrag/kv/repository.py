@@ -18,14 +18,15 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence, Sized
 import torch
 
 from kvrag.cache_backends import FORMAT_VERSION, KVEntry, KVStore, content_key, entry_bytes_bound
-from kvrag.kv.registry import ChunkIndex, Resolved
+from kvrag.kv.registry import ChunkRegistry, Resolved
 from kvrag.kv.entry_check import entry_problem, kv_shape
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError
 from kvrag.cache_backends.guarded import GuardedStore
 from kvrag.kv.layout import PromptLayout
 from kvrag.model.loading import LoadedModel
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
-from kvrag.kv.precompute import KVComputer, LayerStack
+from kvrag.kv.precompute import KVComputer
+from kvrag.model.cache import LayerStack
 from kvrag.timing import clock
 from kvrag.kv.similarity import neighbours_by_embedding, neighbours_from_index
 from kvrag.types import AnswerStats, Chunk
@@ -96,9 +97,9 @@ def on_host(entry: KVEntry, pin: bool) -> LayerStack:
     return keys, values
 
 
-class KVRepository(ChunkIndex):
+class KVRepository(ChunkRegistry):
     """Chunks' KV: keys from (model, layout, kind, token ids), validated entries, the prefix, misses
-    computed and stored; chunks by id come from `ChunkIndex`."""
+    computed and stored; chunks by id come from `ChunkRegistry`."""
 
     def __init__(
         self, lm: LoadedModel, store: KVStore, layout: PromptLayout, computer: KVComputer, batch_size: int = 8, layerwise: bool | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrag.fuse.links import resolve_link_rows
+from kvrag.link_adapter import resolve_link_rows
 from kvrag.methods.base import LinkSlots, Method, PrepareContext, SelectContext, Selection
 from kvrag.methods.registry import get_method
 

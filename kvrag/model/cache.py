@@ -4,6 +4,10 @@
 of every layer overwrite given positions (the recomputed chunk tokens) and the rest are appended
 (the question); afterwards it behaves like a DynamicCache and grows by appending while decoding.
 The stock decoder layers then do the recompute work for any Llama/Qwen/Mistral-style model.
+
+Also here: `SlotCache` (fixed buffers for static decoding), the layer-stack helpers (chunk KV as
+[layers, kv_heads, tokens, head_dim] pairs) and `cache_arg` (the keyword a model's forward takes its
+cache by).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from functools import lru_cache, partial
 from typing import Any, Callable, Sequence
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -195,3 +199,58 @@ def cache_arg(model: Any, cache: Any) -> dict[str, Any]:
     as PEFT whose forward takes **kwargs: their base model decides)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     return {_cache_keyword(type(base)): cache}
+
+
+# -- layer stacks: how chunk KV is stored and stitched ---------------------------------------------
+LayerStack = tuple[torch.Tensor, torch.Tensor]  # keys, values: [layers, kv_heads, tokens, head_dim]
+
+
+def stack_layers(kv: Sequence[KV], start: int = 0, end: int | None = None, row: int = 0) -> LayerStack:
+    """Per-layer [batch, h, t, d] tensors -> one [layers, h, t, d] pair for batch row `row`."""
+    keys = torch.stack([k[row, :, start:end] for k, _ in kv])
+    values = torch.stack([v[row, :, start:end] for _, v in kv])
+    return keys, values
+
+
+def unstack_layers(keys: torch.Tensor, values: torch.Tensor) -> list[KV]:
+    """[layers, h, t, d] -> per-layer [1, h, t, d] views."""
+    return [(keys[i : i + 1], values[i : i + 1]) for i in range(keys.shape[0])]
+
+
+# -- static decoding (kvrag.decode.static): fixed buffers, the write slot a tensor ---------------------
+class SlotLayer(CacheLayerMixin):
+    """A layer over fixed [1, kv_heads, capacity, d] buffers: `update` writes the step's K/V at the
+    shared `slot` tensor and returns the whole buffers (the mask hides what is not written yet)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.slot = keys, values, slot
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the buffers exist before the first step."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> KV:
+        self.keys.index_copy_(2, self.slot, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.slot, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+    def get_seq_length(self) -> int:
+        """The capacity (a fixed number; the tokens held are only known as the `slot` tensor)."""
+        return self.keys.shape[-2]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class SlotCache(Cache):
+    """The static cache a `StaticStep` decodes into: one `SlotLayer` per model layer."""
+
+    def __init__(self, buffers: Sequence[KV], slot: torch.Tensor) -> None:
+        super().__init__(layers=[SlotLayer(k, v, slot) for k, v in buffers])

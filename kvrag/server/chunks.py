@@ -98,7 +98,7 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
 def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
     """Forget one id: drop it from the engine's registry and from the store's node-id index, and
     delete its KV entries unless another id still refers to them (entries are content-keyed; see
-    `ChunkIndex.forget_report` for how far that is checked); None when nobody knows the id.
+    `ChunkRegistry.forget_report` for how far that is checked); None when nobody knows the id.
 
     A chunk only the store knows (ingested through another replica) is found through the
     repository's namespaced node-id index. `unlinked`: the store's index no longer resolves the id.

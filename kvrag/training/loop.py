@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from kvrag.decode.stream import eos_ids
 from kvrag.engine import KVRag
 from kvrag.kv.layout import PromptLayout
-from kvrag.fuse.links import LinkAdapter, adapter_header, default_link_embeds, save_adapter
+from kvrag.fuse.links import default_link_embeds
+from kvrag.link_adapter import LinkAdapter, adapter_header, save_adapter
 from kvrag.model.loading import LoadedModel, load_model
 from kvrag.model.rope import Rotary
 from kvrag.training.config import TrainConfig

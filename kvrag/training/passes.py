@@ -20,7 +20,7 @@ from kvrag.model.cache import cache_arg, cache_from_kv, cache_kv, empty_cache
 from kvrag.fuse.stitch import HIDDEN_POSITION, Stitched, stitch
 from kvrag.kv.layout import LINK_PLACEHOLDER
 from kvrag.fuse.links import additive, link_picture, link_row_index
-from kvrag.kv.precompute import LayerStack, stack_layers
+from kvrag.model.cache import LayerStack, stack_layers
 from kvrag.model.rope import Rotary
 from kvrag.training.data import Example, context_positions
 

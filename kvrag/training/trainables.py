@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvrag.fuse.links import LinkAdapter
+from kvrag.link_adapter import LinkAdapter
 from kvrag.training.config import TrainConfig
 
 
