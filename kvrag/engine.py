@@ -54,7 +54,7 @@ class KVRag(KVRagCore):
         link_adapter: str | Path | LinkAdapter | None = "auto",
         **layout_kwargs: Any,
     ) -> None:
-        """`check=True` runs the per-model correctness gate (`kvrag.check.gate.gate`) once per model
+        """`check=True` runs the per-model correctness gate (`kvrag.check.checks.gate`) once per model
         fingerprint and device type (its verdict is cached under $KVRAG_HOME/checks) and raises
         UnsupportedModelError, naming the failing check, for a model kvrag cannot serve exactly.
 

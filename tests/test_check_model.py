@@ -1,4 +1,4 @@
-"""The per-model correctness gate (`kvrag check-model`, `kvrag.check.gate`) and the device/dtype options."""
+"""The per-model correctness gate (`kvrag check-model`, `kvrag.check.checks`) and the device/dtype options."""
 
 import argparse
 import json
@@ -7,19 +7,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-import kvrag.check.gate as check
+import kvrag.check.checks as check
+import kvrag.check.gate as verdicts
 import kvrag.model.loading as kmodel
 from kvrag import Chunk, ContextTooLongError, KVRag, UnsupportedModelError, from_model
 from kvrag.cache_backends import KVEntry
-from kvrag.check.gate import (
-    CHECK_CHUNKS,
-    CHECK_QUESTION,
-    TOLERANCES,
-    CheckReport,
-    check_model,
-    gate,
-    verdict_path,
-)
+from kvrag.check.checks import CHECK_CHUNKS, CHECK_QUESTION, TOLERANCES, CheckReport, check_model
+from kvrag.check.gate import gate, verdict_path
 from kvrag.cli.check import add_check_model_parser
 from kvrag.engine import KIND_CHUNK, KIND_PREFIX
 from kvrag.kv.layout import PromptLayout
@@ -190,13 +184,13 @@ def test_gate_caches_its_verdict_and_reads_it_back(home, monkeypatch):
     path = verdict_path(lm.fingerprint)
     assert path == home / "checks" / f"{lm.fingerprint}.json"
     data = json.loads(path.read_text())
-    assert data["fingerprint"] == lm.fingerprint and data["versions"]["check"] == check.CHECK_VERSION
+    assert data["fingerprint"] == lm.fingerprint and data["versions"]["check"] == verdicts.CHECK_VERSION
     assert data["verdicts"]["cpu"]["report"]["rows"][5]["name"] == "re-rotated keys"
 
     def boom(lm):
         raise AssertionError("the checks ran again instead of reading the cached verdict")
 
-    monkeypatch.setattr(check, "run_checks", boom)
+    monkeypatch.setattr(verdicts, "run_checks", boom)
     second = gate(lm)
     assert second.cached and second.passed and second.fingerprint == lm.fingerprint
     assert "cached verdict" in second.table()
@@ -214,7 +208,7 @@ def test_gate_reruns_when_the_verdict_does_not_apply(monkeypatch):
     path = verdict_path(lm.fingerprint)
     runs = []
     real = check.run_checks
-    monkeypatch.setattr(check, "run_checks", lambda lm: runs.append(1) or real(lm))
+    monkeypatch.setattr(verdicts, "run_checks", lambda lm: runs.append(1) or real(lm))
     data = json.loads(path.read_text())
     data["versions"]["transformers"] = "0.0"  # another transformers: model code may differ
     path.write_text(json.dumps(data))

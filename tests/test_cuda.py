@@ -1,7 +1,7 @@
 """The core exactness invariants on a CUDA GPU, in float32 and bfloat16 (skipped without a GPU).
 
 Errors are relative L2 errors, ||got - want|| / ||want||, over each layer's keys or the
-first-token logits. Tolerances (the reasoning and CPU measurements are in kvrag/check/gate.py):
+first-token logits. Tolerances (the reasoning and CPU measurements are in kvrag/check/checks.py):
 
 - float32: 1e-4. Same operations in another order; tiny models measure ~1e-7 .. 1e-6 on CPU.
 - bfloat16: keys 4e-2, logits 3e-2. 8 mantissa bits; a reused key is rounded twice more than an
@@ -15,7 +15,7 @@ import torch
 
 from kvrag import Chunk, KVRag, from_model
 from kvrag.model.cache import cache_kv, empty_cache
-from kvrag.check.gate import check_model
+from kvrag.check.checks import check_model
 from kvrag.methods.base import Method
 from kvrag.model.rope import Rotary
 from tiny import ARCHS, LLAMA3_ROPE, YARN_ROPE, qa_rows, tiny_model, tiny_tokenizer, THREE_CHUNKS, THREE_IDS, THREE_Q

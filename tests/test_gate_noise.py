@@ -13,10 +13,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-import kvrag.check.gate as check
+import kvrag.check.checks as check
 import kvrag.check.noise as noise
 from kvrag import from_model
-from kvrag.check.gate import TOLERANCES, check_model, gate, verdict_path
+from kvrag.check.checks import TOLERANCES, check_model
+from kvrag.check.gate import gate, verdict_path
 from kvrag.model.rope import Rotary
 from tiny import LLAMA3_ROPE, tiny_model, tiny_tokenizer
 

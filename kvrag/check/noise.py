@@ -26,7 +26,7 @@ import torch
 
 from kvrag.model.loading import decoder_of
 
-# Absolute floors on the tolerance, relative L2 (see kvrag/check/gate.py for the measurements).
+# Absolute floors on the tolerance, relative L2 (see kvrag/check/checks.py for the measurements).
 # float32: the strict tolerance of before (rounding-only differences are <= 5e-6). bf16/fp16:
 # about two roundings of the dtype (bf16 unit roundoff 2^-9 = 2e-3, fp16 2^-12 = 2.4e-4), so a
 # noise measurement that happens to come out tiny cannot make the check fail on one rounding.

@@ -31,7 +31,8 @@ def cmd_check_model(args: argparse.Namespace) -> int:
 
     A model that cannot be loaded raises ModelLoadError (the CLI prints it and exits 2).
     """
-    from kvrag.check.gate import _refused, _write_verdict, run_checks, verdict_path  # torch: only once it runs
+    from kvrag.check.checks import _refused, run_checks  # torch: only once it runs
+    from kvrag.check.gate import _write_verdict, verdict_path
     from kvrag.errors import UnsupportedModelError
     from kvrag.model.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 
