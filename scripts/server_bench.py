@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KVRAG_HOME"] = str(out / "home")  # before kvrag reads it: index, KV store and gate verdicts live here
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-    from kvrag.cli.app import sample_corpus_dir, sample_questions
+    from kvrag.ingest.samples import sample_corpus_dir, sample_questions
     from kvrag.ingest.documents import load_documents
     from kvrag.ingest.retrieval import ChunkIndex
     from kvrag.client import ingest_via_server

@@ -261,7 +261,7 @@ def cli_engine(monkeypatch, tmp_path):
         return rag, index
 
     hook: list = [None]
-    monkeypatch.setattr(cli, "_open", fake_open)
+    monkeypatch.setattr(importlib.import_module("kvrag.cli.common"), "open_engine", fake_open)
     monkeypatch.setattr(importlib.import_module("kvrag.cli.ingest"), "INGEST_BATCH", 16)
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     return opened, hook

@@ -20,7 +20,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvrag.cli import common
+from kvrag.cli.args import positive_int
+from kvrag.cli.common import add_engine_options, add_server_option
 from kvrag.errors import KVRagError
+from kvrag.ingest.splitting import DEFAULT_MAX_CHUNK_TOKENS
 from kvrag.defaults import kvrag_home
 from kvrag.types import Chunk
 
@@ -267,3 +271,40 @@ def _ingest_via_server(args: argparse.Namespace, files: list[Path], skipped: lis
     print(f"ingested {total['chunks']} chunks ({total['computed']} computed, {total['already_cached']} already cached, "
           f"{total['tokens']} tokens) in {total['seconds']:.1f}s on {args.server}", file=sys.stderr)
     return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    ing = sub.add_parser("ingest", help="split files into chunks, index them and precompute their KV")
+    add_engine_options(ing)
+    add_server_option(ing)
+    ing.add_argument("paths", nargs="+", help=".txt/.md/.jsonl files or folders")
+    ing.add_argument("--max-words", type=int, default=120, help="target chunk size in words (default 120)")
+    ing.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_CHUNK_TOKENS,
+                     help=f"hard cap on a chunk's tokens (default {DEFAULT_MAX_CHUNK_TOKENS})")
+    ing.add_argument("--batch-size", type=positive_int, default=8, help="chunks per forward pass (default 8)")
+    ing.add_argument("--follow-symlinks", action="store_true",
+                     help="in folders, follow symlinks that lead out of the folder (default: skipped and named; "
+                          "a file named on the command line is always read)")
+
+    rm = sub.add_parser("remove", help="remove ingested documents: their chunks from the index and their KV from the store",
+                        epilog="example: kvrag remove notes.md")
+    add_engine_options(rm)
+    rm.add_argument("paths", nargs="+", help="files given to `kvrag ingest` (as they were given)")
+    ing.set_defaults(func=cmd_ingest)
+    rm.set_defaults(func=cmd_remove)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    """Check every file before any model loads, then chunk, store and index in streamed batches."""
+    return run_ingest(args, lambda: common.open_engine(args), lambda: common.open_index(args))
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    rag, index = common.open_engine(args)
+    removed = 0
+    for path in args.paths:
+        gone = index.remove(source=str(path))
+        deleted = rag.forget(gone)
+        removed += len(gone)
+        print(f"{path}: {len(gone)} chunks removed from the index, {deleted} KV entries deleted", file=sys.stderr)
+    return 0 if removed else 1

@@ -45,6 +45,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
     p.add_argument("--accept-any-model", action="store_true", default=d.accept_any_model,
                    help='answer whatever `model` a chat request names (default: only the served model or "kvrag"; others get 404 model_not_found)')
+    p.set_defaults(func=cmd_serve)
     return p
 
 

@@ -74,6 +74,7 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--min-age", type=nonneg_float, default=STALE_TEMP_S,
                    help="seconds: younger temp files (writers still running) and index links are kept")
     g.add_argument("--headers-only", action="store_true", help="skip reading every entry whole to verify its checksum")
+    store.set_defaults(func=cmd_store)
     return store
 
 

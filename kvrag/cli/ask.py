@@ -1,0 +1,161 @@
+"""`kvrag ask`, `kvrag quickstart`, `kvrag methods`: answer from the ingested chunks, compare with Full Attention."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvrag.cli import common
+from kvrag.cli.args import positive_int, ratio_or_auto
+from kvrag.cli.common import DEFAULT_K, add_engine_options, add_server_option
+from kvrag.defaults import (
+    DEFAULT_METHOD,
+    DEFAULT_MIN_RECOMPUTE,
+    DEFAULT_RATIO,
+    DEFAULT_SHORT_CONTEXT,
+    DEFAULT_STOP_AT,
+    RATIO_FREE,
+    STOP_RULES,
+    TUNED_METHOD,
+)
+from kvrag.errors import KVRagError
+from kvrag.ingest.samples import sample_corpus_dir, sample_questions
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    ask = sub.add_parser("ask", help="answer a question from the ingested chunks")
+    add_engine_options(ask)
+    add_server_option(ask)
+    ask.add_argument("question")
+    ask.add_argument("--method", default=None,
+                     help=f"full, reuse, ... (see `kvrag methods`; default: {DEFAULT_METHOD}, or {TUNED_METHOD} with --link-adapter tuned)")
+    ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
+    ask.add_argument("--min-recompute", type=int, default=None, metavar="TOKENS",
+                     help=f"chunk tokens recomputed at least; chunks holding no more are read with Full Attention (0: off; default {DEFAULT_MIN_RECOMPUTE})")
+    ask.add_argument("--short-context", type=int, default=None, metavar="TOKENS",
+                     help=f"contexts of at most this many chunk tokens are read with Full Attention by every method (0: off; default {DEFAULT_SHORT_CONTEXT})")
+    ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
+    ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
+    ask.add_argument("--max-new-tokens", type=int, default=64)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--json", action="store_true", help="print answer and stats as one JSON object")
+    ask.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. update=fusion")
+    ask.add_argument("--evict-budget", type=int, default=None, help="SnapKV: chunk tokens kept per layer/head after the first token")
+
+    qs = sub.add_parser("quickstart", help="ingest the sample corpus and compare Full Attention with KV reuse")
+    add_engine_options(qs)
+    qs.add_argument("--question", default=None)
+
+    sub.add_parser("methods", help="list the available methods")
+    ask.set_defaults(func=cmd_ask)
+    qs.set_defaults(func=cmd_quickstart)
+    sub.choices["methods"].set_defaults(func=cmd_methods)
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from kvrag.methods.snapkv import SnapKV
+    from kvrag.eval.runner import parse_method
+
+    from kvrag.methods import get_method
+
+    _, params = parse_method("m:" + ",".join(args.param))
+
+    def check(method: str) -> None:  # a mistyped method or parameter is a one-line error, not a traceback
+        try:
+            get_method(method, **dict(params))
+        except TypeError as exc:
+            raise KVRagError(str(exc)) from None
+
+    if args.method is not None:
+        check(args.method)  # before any work
+    if args.server:
+        return _ask_via_server(args, dict(params))  # no method named: the server's, which checks the parameters
+    rag, index = common.open_engine(args)
+    if args.method is None:
+        check(rag.default_method)  # the parameters belong to the engine's default method
+    chunks = common.retrieve(index, args.question, args.top_k)
+    stream = rag.stream(
+        args.question,
+        chunks=chunks,
+        method=args.method,
+        recompute_ratio=args.recompute_ratio,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        stop_at=args.stop_at,
+        min_recompute=args.min_recompute,
+        short_context=args.short_context,
+        evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
+        **dict(params),
+    )
+    if args.json:
+        ans = stream.answer()
+        print(json.dumps({"answer": ans.text, "chunk_ids": ans.chunk_ids, "stats": ans.stats.as_dict()}))
+        return 0
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(stream.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
+    from kvrag.client import ask_via_server
+
+    if args.evict_budget is not None:
+        raise KVRagError("--evict-budget is not available through --server")
+    chunks = common.retrieve(common.open_index(args), args.question, args.top_k)
+    text, stats = ask_via_server(args.server, args.question, chunks=chunks, method=args.method, recompute_ratio=args.recompute_ratio,
+                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, params=params)
+    if args.json:
+        print(json.dumps({"answer": text, "chunk_ids": [c.id for c in chunks], "stats": stats.as_dict()}))
+    else:
+        print(text)
+        print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from kvrag.ingest.documents import load_documents
+
+    rag, index = common.open_engine(args)
+    chunks = load_documents([sample_corpus_dir()])
+    index.add(chunks)
+    rag.precompute(chunks, progress=True)
+    question = args.question or sample_questions()[0]["question"]
+    retrieved = common.retrieve(index, question, DEFAULT_K)
+    print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved)")
+    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method)):
+        print(line)
+    print(f"(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
+          "KL = first-token KL divergence from Full Attention, 0 is identical)")
+    return 0
+
+
+def compare_with_full(rag, question: str, chunks, methods) -> list[str]:
+    """One line per method: its answer, TTFT speed-up over Full Attention, and how close the answer is
+    to Full Attention's (never a speed-up without the quality beside it)."""
+    from kvrag.eval.metrics import agreement, first_token_kl
+
+    full = rag.prefill(question, chunks=chunks, method="full")
+    full_text = rag.decode(full).answer().text
+    lines = []
+    for method in methods:
+        pre = full if method == "full" else rag.prefill(question, chunks=chunks, method=method)
+        text = full_text if method == "full" else rag.decode(pre).answer().text
+        speedup = full.stats.ttft_s / max(pre.stats.ttft_s, 1e-9)
+        quality = "reference" if method == "full" else (
+            f"{'agrees' if agreement(text, full_text) else 'DIFFERS'}, KL {first_token_kl(full.logits, pre.logits):.3f}"
+        )
+        label = method if method in RATIO_FREE else f"{method}@{DEFAULT_RATIO:g}"
+        lines.append(f"[{label:>15}] {text}\n{'':18}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
+    return lines
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from kvrag.methods import METHODS
+
+    for name, cls in sorted(METHODS.items()):
+        print(f"{name:12s} {(cls.__doc__ or '').strip().splitlines()[0]}")
+    return 0

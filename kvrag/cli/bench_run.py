@@ -1,0 +1,191 @@
+"""The `kvrag bench` and `kvrag bench-deviation` commands: quality runs, --merge, the TTFT sweeps.
+
+kvrag's CLI (`kvrag.cli.app`) parses the arguments and hands them here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvrag.engine import KVRag
+from kvrag.errors import KVRagError
+from kvrag.eval.data import load_examples, sample_examples
+from kvrag.eval.deviation import deviation_study
+from kvrag.eval.report import load_records, markdown_table, merge_records, summarize, write_report
+from kvrag.eval.runner import Setting, hardware, make_settings, parse_method, run, split_methods
+from kvrag.eval.store_bench import run_store_bench, store_markdown
+from kvrag.eval.speed import RANDOM_WEIGHTS_NOTE, SweepOptions, parse_sizes, random_model, speed_markdown, speed_sweep, write_speed
+from kvrag.model.loading import load_model, load_tokenizer
+
+QUICK = {"n": 4, "ratios": "0.15,0.3", "max_new_tokens": 8, "contexts": "256,512,1k", "chunk_tokens": 128, "repeats": 1}
+
+
+# Benchmarks measure the base weights (with the shipped link embeddings for `kvlink` rows), as every
+# published table did; a tuned model is a named variant: --adapter tuned=PATH, --methods "full:model=tuned,...".
+BASE_WEIGHTS = "links"
+
+def _bench_defaults(args: argparse.Namespace) -> None:
+    """--quick shrinks every knob the user did not set (the harness end to end in a few minutes)."""
+    if not args.quick:
+        args.contexts = args.contexts or "1k,2k,4k"
+        args.chunk_tokens = args.chunk_tokens or 400
+        return
+    given = {a.split("=", 1)[0] for a in args.argv}
+    for key, value in QUICK.items():
+        if f"--{key.replace('_', '-')}" not in given:
+            setattr(args, key, value)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.mode == "store":  # each tier's read bandwidth beside plain file reads and host-to-device copies
+        print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
+        return 0
+    _bench_defaults(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = args.store or f"disk://{(out / 'kv').resolve()}"
+    methods = split_methods(args.methods)
+    ratios: list[float | str] = [r if r == "auto" else float(r) for r in args.ratios.split(",") if r]
+    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "max_new_tokens": args.max_new_tokens}
+    if args.merge:
+        return _bench_merge(args, out, meta)
+    if args.mode == "speed":  # one ratio: the one given first, else 0.15 (the issue's reference point)
+        given = any(a.split("=", 1)[0] == "--ratios" for a in args.argv)
+        return _bench_speed(args, methods, ratios[0] if given and ratios else 0.15, store, meta)
+    if args.data is None and not args.quick:
+        raise KVRagError("kvrag bench needs --data PATH (a JSONL shaped like shared/data/*.jsonl), or --quick")
+    examples = load_examples(args.data, n=args.n, seed=args.seed) if args.data else sample_examples(args.n, args.seed)
+    settings = make_settings(methods, ratios, similarity=args.similarity)
+    adapters = _named_adapters(args.adapter)
+    unknown = sorted({st.model for st in settings if st.model} - set(adapters))
+    if unknown:
+        raise KVRagError(f"--methods names model variants with no --adapter NAME=PATH: {', '.join(unknown)}")
+    rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype, link_adapter=BASE_WEIGHTS)
+    variants = {
+        name: KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype, link_adapter=path)
+        for name, path in adapters.items()
+    }
+    records = run(rag, examples, settings, out, max_new_tokens=args.max_new_tokens, variants=variants)
+    meta.update(data=args.data or "bundled sample questions", n=len(examples), seed=args.seed, model=rag.lm.source,
+                adapters={k: str(v) for k, v in adapters.items()})
+    write_report(records, out, meta)
+    print(markdown_table(summarize(load_records(records))))
+    if args.contexts != "none":
+        _speed_sweep(args, rag, methods, 0.15, meta, store)
+    print(f"results in {out}/ (summary.md, summary.json, records.jsonl, PNG plots)", file=sys.stderr)
+    return 0
+
+
+def _bench_merge(args: argparse.Namespace, out: Path, meta: dict) -> int:
+    parts = [Path(d) for d in args.merge.split(",") if d]
+    for d in parts:
+        if not (d / "records.jsonl").is_file():
+            raise KVRagError(f"--merge: no records.jsonl in {d}")
+    metas = [json.loads((d / "summary.json").read_text())["meta"] for d in parts if (d / "summary.json").is_file()]
+    records, dropped = merge_records([d / "records.jsonl" for d in parts], out / "records.jsonl")
+    if dropped:
+        print(f"--merge: {dropped} examples not answered under every setting were left out", file=sys.stderr)
+    first = metas[0] if metas else {}
+    # a part stopped before its report has no summary.json: this machine's facts and the given --data stand in
+    own = {"hardware": meta["hardware"], "max_new_tokens": meta["max_new_tokens"], "data": args.data, "seed": args.seed}
+    meta = {**own, **first, "command": meta["command"], "parts": [m.get("command", "") for m in metas], "left_out_incomplete": dropped}
+    meta["n"] = len({r["example"] for r in load_records(records)})
+    write_report(records, out, meta)
+    print(markdown_table(summarize(load_records(records))))
+    return 0
+
+
+def _named_adapters(specs: list[str]) -> dict[str, Path]:
+    """`--adapter NAME=PATH` options as a mapping; a missing file is an error before any model loads."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise KVRagError(f"--adapter takes NAME=PATH, got {spec!r}")
+        if not Path(path).expanduser().is_file():
+            raise KVRagError(f"--adapter {name}: no adapter file at {path}")
+        out[name.strip()] = Path(path).expanduser()
+    return out
+
+
+def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float, meta: dict, store: str, random_weights: bool = False) -> None:
+    parsed = [parse_method(m) for m in methods]
+    settings = [Setting("full"), Setting("reuse")] + [Setting(m, ratio, params=p) for m, p in parsed if m not in ("full", "reuse")]
+    opts = SweepOptions(chunk_tokens=args.chunk_tokens, repeats=args.repeats, decode_tokens=args.decode_tokens, layerwise=args.layerwise)
+    rows = speed_sweep(rag, parse_sizes(args.contexts), settings, opts)
+    meta = {**meta, "model": rag.lm.source, "device": str(rag.lm.device), "dtype": str(rag.lm.dtype).replace("torch.", ""),
+            "chunk_tokens": args.chunk_tokens, "repeats": args.repeats, "store": store, "random_weights": random_weights,
+            "layerwise": args.layerwise, "decode_tokens": args.decode_tokens}
+    write_speed(rows, args.out, meta)
+    print(speed_markdown(rows))
+
+
+def _bench_speed(args: argparse.Namespace, methods: list[str], ratio: float, store: str, meta: dict) -> int:
+    if args.shape and not args.random_weights:
+        raise KVRagError("--shape builds a model with random weights (nothing is downloaded): add --random-weights")
+    if args.random_weights and not args.shape:
+        raise KVRagError("--random-weights needs --shape NAME (see kvrag/shapes/)")
+    if args.shape:
+        tokenizer = load_tokenizer(args.model)  # any tokenizer will do for timing; ids fit every shape's vocab
+        rag = KVRag(random_model(args.shape, tokenizer, device=args.device, dtype=args.dtype), store=store)
+        print(f"{args.shape}: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
+    else:
+        rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype, link_adapter=BASE_WEIGHTS)
+    _speed_sweep(args, rag, methods, ratio, meta, store, random_weights=bool(args.shape))
+    print(f"results in {args.out}/ (speed.md, speed.json, ttft_vs_context.png)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_deviation(args: argparse.Namespace) -> int:
+    rag = KVRag.from_pretrained(args.model, store="memory://", link_adapter=BASE_WEIGHTS)
+    r = deviation_study(rag, load_examples(args.data, n=args.n, seed=args.seed), top_n=args.top_n)
+    print(
+        f"n={r['n']} top_n={r['top_n']}: layer-1 KV deviation plain {r['layer1_plain']:.3f} -> similarity-guided "
+        f"{r['layer1_similarity']:.3f} ({1 - r['layer1_similarity'] / r['layer1_plain']:.0%} lower); all layers "
+        f"{r['all_layers_plain']:.2f} -> {r['all_layers_similarity']:.2f} ({1 - r['all_layers_similarity'] / r['all_layers_plain']:.0%} lower)"
+    )
+    return 0
+
+
+def cmd_eval_suite(args: argparse.Namespace) -> int:
+    """`kvrag eval suite`: every set at every length over the base weights (and the tuned adapter's
+    kvlink), the rule applied; see kvrag.eval.suite."""
+    from kvrag.eval.suite import SETS, TUNED, collect, run_suite, write_suite
+    from kvrag.link_adapter import SHIPPED_ADAPTERS, SHIPPED_DIR
+
+    sets = [s for s in args.sets.split(",") if s]
+    unknown = [s for s in sets if s not in SETS]
+    if unknown:
+        raise KVRagError(f"unknown sets {unknown}; known: {', '.join(SETS)}")
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "sets": sets, "lengths": lengths}
+    if args.report_only:  # what is answered so far: no model, no new answers
+        verdict = write_suite(collect(out, sets, lengths), out, {**meta, "partial": True})
+        print((out / "suite.md").read_text())
+        return 0
+    store = args.store or f"disk://{(out / 'kv').resolve()}"
+    rag = KVRag.from_pretrained(args.model, store=store, device=args.device, link_adapter=BASE_WEIGHTS)
+    variants = {}
+    tuned = args.tuned
+    if tuned == "shipped":
+        name = SHIPPED_ADAPTERS.get(rag.lm.source, {}).get("tuned")
+        tuned = str(SHIPPED_DIR / name) if name else "none"
+    if tuned != "none":
+        variants[TUNED] = KVRag(rag.lm, store=rag.store, layout=rag.layout, check=False, link_adapter=tuned)
+    sizes = {s: args.n for s in sets} if args.n else None
+    results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes)
+    meta.update(model=rag.lm.source, tuned=tuned)
+    verdict = write_suite(results, out, meta)
+    print((out / "suite.md").read_text())
+    print(f"default by the rule: {verdict['default']}; results in {out}/ (suite.md, suite.json, suite.png)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
+    return 0

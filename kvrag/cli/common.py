@@ -1,0 +1,54 @@
+"""What several commands share: the engine's options, opening the engine and the chunk index, retrieval."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvrag.cli.args import link_adapter_arg
+from kvrag.errors import KVRagError
+
+DEFAULT_K = 5  # chunks retrieved per question
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """--store, --model, --device, --collection, --link-adapter: which engine and index a command opens."""
+    p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help="KV store URL (default: disk under $KVRAG_HOME/kv)")
+    p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
+    p.add_argument("--collection", default="kvrag_chunks", help="chroma collection under $KVRAG_HOME/chroma")
+    p.add_argument("--link-adapter", default="auto", type=link_adapter_arg,
+                   help="auto/links: the link embeddings shipped for the model (base weights); tuned: the shipped "
+                        "reuse-tuned LoRA on kvlink's fast path (kvlink by default; Full Attention stays the base "
+                        "weights); none: no adapter; or an adapter file")
+
+
+def add_server_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=os.environ.get("KVRAG_SERVER"),
+                   help="URL of a running `kvrag serve` (default: $KVRAG_SERVER): no model is loaded here")
+
+
+def open_engine(args: argparse.Namespace):
+    from kvrag.defaults import kvrag_home
+    from kvrag.engine import KVRag
+    from kvrag.ingest.retrieval import ChunkIndex
+
+    home = kvrag_home()
+    print(f"loading model ({args.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
+    rag = KVRag.from_pretrained(args.model, store=args.store, device=args.device, link_adapter=args.link_adapter)
+    return rag, ChunkIndex(home / "chroma", collection=args.collection)
+
+
+def open_index(args: argparse.Namespace):
+    from kvrag.defaults import kvrag_home
+    from kvrag.ingest.retrieval import ChunkIndex
+
+    return ChunkIndex(kvrag_home() / "chroma", collection=args.collection)
+
+
+def retrieve(index, question: str, k: int):
+    chunks = index.query(question, k=k)
+    if not chunks:
+        raise KVRagError("nothing has been ingested yet: run `kvrag ingest PATH...` first")
+    return chunks
