@@ -433,7 +433,7 @@ def test_ingest_through_a_server_indexes_only_what_the_server_kept(tmp_path, mon
     from kvrag.client import ServerError
 
     index = ChunkIndex(tmp_path / "chroma", collection="served")
-    monkeypatch.setattr(cli, "_index", lambda args: index)
+    monkeypatch.setattr(importlib.import_module("kvrag.cli.common"), "open_index", lambda args: index)
     monkeypatch.setattr(importlib.import_module("kvrag.cli.ingest"), "INGEST_BATCH", 16)
     sent: list[list[str]] = []
 

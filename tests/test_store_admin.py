@@ -17,7 +17,8 @@ from kvrag import Chunk, KVRag
 from kvrag.cache_backends import DiskStore, StoreError, content_key, open_store
 from kvrag.errors import ChunkNotFoundError
 from kvrag.model.loading import from_model
-from kvrag.cache_backends.admin import add_store_parser, cmd_store, gc, list_entries, namespace_of, open_admin, remove, store_stats
+from kvrag.cache_backends.admin import gc, list_entries, namespace_of, open_admin, remove, store_stats
+from kvrag.cli.store import add_store_parser, cmd_store
 from test_backends import REDIS, RedisServer, entry, needs_redis
 from tiny import tiny_model, tiny_tokenizer
 
