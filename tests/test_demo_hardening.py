@@ -215,7 +215,7 @@ def test_the_page_warns_when_served_beyond_this_machine():
     for address, warned in (("0.0.0.0", True), ("127.0.0.1", False), ("::1", False)):
         config.set_option("server.address", address)
         try:
-            at = AppTest.from_string("from kvrag import demo_app\ndemo_app.warn_if_exposed()", default_timeout=60).run()
+            at = AppTest.from_string("from kvrag.demo import app as demo_app\ndemo_app.warn_if_exposed()", default_timeout=60).run()
         finally:
             config.set_option("server.address", old)
         assert bool(at.warning) == warned, address
@@ -242,7 +242,7 @@ def test_answers_are_plain_text_streamed_and_redrawn():
 
 
 def test_the_app_streams_and_redraws_answers_as_plain_text():
-    source = (ROOT / "kvrag" / "demo_app.py").read_text()
+    source = (ROOT / "kvrag" / "demo" / "app.py").read_text()
     assert "write_stream" not in source and "st.markdown(side.text" not in source
 
 

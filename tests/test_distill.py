@@ -263,9 +263,10 @@ def test_distill_settings_and_their_command_line(tmp_path, monkeypatch):
     assert recorded["objective"] == "gold" and not {"teacher_tokens", "continue_share", "teacher_generated"} & set(recorded)
 
     import kvrag.cli.train as cli
+    import kvrag.training.loop as loop
 
     seen = []
-    monkeypatch.setattr(cli, "train", lambda cfg: seen.append(cfg) or type("R", (), {"losses": [1.0], "adapter_path": "a", "steps": 1,
+    monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or type("R", (), {"losses": [1.0], "adapter_path": "a", "steps": 1,
                                                                                    "seconds": 0.0, "stopped_early": False})())
     parser = argparse.ArgumentParser()
     add_train_links_parser(parser.add_subparsers())

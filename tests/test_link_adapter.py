@@ -120,7 +120,7 @@ def test_full_attention_answers_as_the_base_weights_with_a_tuned_adapter_loaded(
 
 def ship(monkeypatch, folder, source, **names):
     """Pretend the package ships these adapter files (kind -> file name in `folder`) for `source`."""
-    import kvrag.fuse.links as links_mod
+    import kvrag.link_adapter as links_mod
 
     monkeypatch.setattr(links_mod, "SHIPPED_DIR", folder)
     monkeypatch.setattr(links_mod, "SHIPPED_ADAPTERS", {source: names})
