@@ -10,7 +10,12 @@ class EmptyRetrievalError(KVRagError, ValueError):
 
 
 class ChunkNotFoundError(KVRagError, KeyError):
-    """A chunk id was neither precomputed nor given with its text."""
+    """A chunk id was neither precomputed nor given with its text; `ids`: the ids that were not found
+    (so a face can say what to do in its own terms)."""
+
+    def __init__(self, message: str = "chunk not found", ids: "list[str] | None" = None) -> None:
+        super().__init__(message)
+        self.ids = list(ids or [])
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return str(self.args[0]) if self.args else "chunk not found"

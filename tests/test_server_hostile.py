@@ -381,3 +381,15 @@ def test_an_id_registered_with_a_newline_elsewhere_can_still_be_deleted(http, ra
     r = http.delete("/v1/chunks/library%0Aid")
     assert r.status_code == 200 and r.json()["id"] == "library\nid", r.text
     assert "library\nid" not in rag.repo.chunks
+
+
+def test_an_unknown_chunk_id_is_explained_in_http_terms(http):
+    r = http.post("/v1/chat/completions", json=ask(kvrag={"chunk_ids": ["never-ingested"]}))
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "chunk_not_found"
+    assert "never-ingested" in message and "POST /v1/chunks" in message and "precompute()" not in message
+
+
+def test_malformed_json_is_named_as_such(http):
+    r = http.post("/v1/chat/completions", content=b'{"model": "kvrag", "messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "body is not valid JSON" in r.json()["error"]["message"]

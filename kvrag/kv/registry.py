@@ -347,7 +347,7 @@ class ChunkRegistry:
                 out[uid] = entry
         missing = [u for u in unknown if u not in out]
         if missing:
-            raise ChunkNotFoundError(f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text")
+            raise ChunkNotFoundError(f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text", ids=missing)
         return out
 
     def prefetch_keys(self, chunk_ids: Sequence[str] | None = None, chunks: Sequence[Chunk] | None = None) -> list[str]:

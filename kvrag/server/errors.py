@@ -62,6 +62,9 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ContextTooLongError):
         return APIError(400, str(exc), "context_length_exceeded")
     if isinstance(exc, ChunkNotFoundError):
+        if exc.ids:  # the library's advice (precompute(), Chunk(...)) in HTTP terms
+            return APIError(400, f"unknown chunk id(s) {exc.ids[:5]}: ingest them first (POST /v1/chunks) or send them "
+                                 "with their text in kvrag.chunks", "chunk_not_found")
         return APIError(400, str(exc), "chunk_not_found")
     if isinstance(exc, EmptyRetrievalError):
         return APIError(400, str(exc), "no_chunks")
@@ -74,7 +77,11 @@ def as_api_error(exc: BaseException) -> APIError:
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = [p for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":  # its location is a character offset, not a field
+            parts.append(f"body is not valid JSON (at character {loc[0] if loc else '?'})")
+            continue
+        where = ".".join(str(p) for p in loc)
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")  # our validators' own messages
         parts.append(f"{where or 'body'}: {msg}")
     return "invalid request: " + "; ".join(parts)
