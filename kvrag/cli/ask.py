@@ -126,30 +126,38 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     question = args.question or sample_questions()[0]["question"]
     retrieved = common.retrieve(index, question, DEFAULT_K)
     print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved)")
-    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method)):
+    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method), raw=rag.default_method):
         print(line)
     print(f"(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
-          "KL = first-token KL divergence from Full Attention, 0 is identical)")
+          "KL = first-token KL divergence from Full Attention, 0 is identical; 'read whole': a context this short is "
+          "answered with Full Attention by every method (--short-context, --min-recompute); 'policy off': the method alone)")
     return 0
 
 
-def compare_with_full(rag, question: str, chunks, methods) -> list[str]:
+RAW = {"short_context": 0, "min_recompute": 0}  # the short-context policy off: what a method does alone
+
+
+def compare_with_full(rag, question: str, chunks, methods, raw: str | None = None) -> list[str]:
     """One line per method: its answer, TTFT speed-up over Full Attention, and how close the answer is
-    to Full Attention's (never a speed-up without the quality beside it)."""
+    to Full Attention's (never a speed-up without the quality beside it); `raw`: one more line, that
+    method with the short-context policy off."""
     from kvrag.eval.metrics import agreement, first_token_kl
 
     full = rag.prefill(question, chunks=chunks, method="full")
     full_text = rag.decode(full).answer().text
+    runs = [(m, {}, "") for m in methods] + ([(raw, RAW, ", policy off")] if raw else [])
     lines = []
-    for method in methods:
-        pre = full if method == "full" else rag.prefill(question, chunks=chunks, method=method)
+    for method, extra, tag in runs:
+        pre = full if method == "full" else rag.prefill(question, chunks=chunks, method=method, **extra)
         text = full_text if method == "full" else rag.decode(pre).answer().text
         speedup = full.stats.ttft_s / max(pre.stats.ttft_s, 1e-9)
         quality = "reference" if method == "full" else (
             f"{'agrees' if agreement(text, full_text) else 'DIFFERS'}, KL {first_token_kl(full.logits, pre.logits):.3f}"
         )
-        label = method if method in RATIO_FREE else f"{method}@{DEFAULT_RATIO:g}"
-        lines.append(f"[{label:>15}] {text}\n{'':18}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
+        if method != "full" and pre.stats.full_reason:
+            quality += f"; read whole ({pre.stats.context_tokens} chunk tokens)"
+        label = (method if method in RATIO_FREE else f"{method}@{DEFAULT_RATIO:g}") + tag
+        lines.append(f"[{label:>24}] {text}\n{'':27}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
     return lines
 
 
