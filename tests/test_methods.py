@@ -90,6 +90,19 @@ def test_probe_leaves_the_stitched_cache_untouched(rag):
     assert (result.keys[0] - full.keys[0]).abs().max() <= 1e-5
 
 
+def test_a_keys_values_probe_stops_before_attending_and_gives_the_same_keys_and_values(rag, monkeypatch):
+    """CacheBlend's probe wants only layer 1's keys and values: it stops before that layer attends, and
+    they are the very tensors the full layer would have written (every architecture: k_norm, biases, GQA)."""
+    pre = rag.prefill(Q, IDS, method="reuse")
+    over = pre.stitched.chunk_positions()
+    whole = probe(rag.lm, rag.rotary, pre.stitched, [1], recompute=over)
+    attended = []
+    monkeypatch.setattr(rag.lm.model.model.layers[1].self_attn, "forward", lambda *a, **k: attended.append(1))
+    short = probe(rag.lm, rag.rotary, pre.stitched, [1], recompute=over, queries=False)
+    assert not attended and not short.queries
+    assert torch.equal(short.keys[1], whole.keys[1]) and torch.equal(short.values[1], whole.values[1])
+
+
 def test_method_parameters(rag):
     key = rag.prefill(Q, IDS, method="cacheblend", recompute_ratio=0.2, deviation="key")
     value = rag.prefill(Q, IDS, method="cacheblend", recompute_ratio=0.2)

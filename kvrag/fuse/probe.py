@@ -55,21 +55,46 @@ def _queries(attn: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin
     return rotary._apply(q, q, cos, sin)[0]
 
 
+def _keys_values(attn: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention module's rotated keys and its values, computed the way its forward does (k_norm if any)."""
+    head_dim = getattr(attn, "head_dim", None) or attn.k_proj.out_features // attn.config.num_key_value_heads
+    shape = (*hidden.shape[:-1], -1, head_dim)
+    k = attn.k_proj(hidden).view(shape)
+    if getattr(attn, "k_norm", None) is not None:
+        k = attn.k_norm(k)
+    k = k.transpose(1, 2)
+    v = attn.v_proj(hidden).view(shape).transpose(1, 2)
+    return rotary._apply(k, k, cos, sin)[1], v
+
+
 @contextmanager
 def capture_queries(
-    lm: LoadedModel, rotary: Rotary, layers: Iterable[int], into: ProbeResult, rows: slice | None = None, cache: Any = None, stop_after: int | None = None
+    lm: LoadedModel, rotary: Rotary, layers: Iterable[int], into: ProbeResult, rows: slice | None = None, cache: Any = None,
+    stop_after: int | None = None, kv_only: bool = False,
 ) -> Iterator[ProbeResult]:
     """Hooks that record each layer's rotated queries (optionally only `rows` of them), the layer's
-    full keys/values from `cache` after its update, and stop the forward after layer `stop_after`."""
+    full keys/values from `cache` after its update, and stop the forward after layer `stop_after`.
+
+    `kv_only`: no queries; at `stop_after` the keys and values are written into `cache` as the layer's
+    attention would write them, and the forward stops there, before that layer attends (its attention
+    output is what no caller of a keys/values probe reads: CacheBlend's deviation)."""
     layers_mod = decoder_of(lm.model).layers
     hooks = []
 
     def make_pre(i: int):
         def pre(module, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            if kv_only:
+                if i == stop_after:
+                    k, v = _keys_values(module, hidden, cos, sin, rotary)
+                    cache.update(k, v, i)
+                    keys, values = layer_kv(cache, i)
+                    into.keys[i], into.values[i] = keys[0], values[0]
+                    raise _StopProbe
+                return
             if rows is not None:
                 hidden = hidden[:, rows]
-            cos, sin = kwargs["position_embeddings"]
             if rows is not None:
                 cos, sin = cos[:, rows], sin[:, rows]
             into.queries[i] = _queries(module, hidden, cos, sin, rotary)[0]
@@ -107,8 +132,10 @@ def probe(
     stitched: Stitched,
     layers: Iterable[int],
     recompute: torch.Tensor | None = None,
+    queries: bool = True,
 ) -> ProbeResult:
-    """Run `recompute` chunk positions (overwriting) plus the question through layers 0..max(layers)."""
+    """Run `recompute` chunk positions (overwriting) plus the question through layers 0..max(layers);
+    `queries=False`: only the layers' keys and values are wanted, so the deepest layer stops before it attends."""
     want = sorted({resolve_layer(lm, l) for l in layers})
     last = want[-1]
     device = lm.device
@@ -123,7 +150,7 @@ def probe(
     cache = SpliceCache(kv)
     cache.overwrite(stitched.slots_of(over).to(device) if over.numel() else None)
     result = ProbeResult(positions=positions, key_positions=key_pos)
-    with capture_queries(lm, rotary, want, result, cache=cache, stop_after=last):
+    with capture_queries(lm, rotary, want, result, cache=cache, stop_after=last, kv_only=not queries):
         forward_pass(lm, cache, ids, positions, key_pos, name="probe")
     return result
 

@@ -41,7 +41,7 @@ class CacheBlend(ScoredMethod):
 
     def deviations(self, ctx: SelectContext, positions: torch.Tensor, layer: int) -> torch.Tensor:
         """Squared deviation at `layer` of each of `positions`, with all of them recomputed."""
-        result = probe(ctx.lm, ctx.rotary, ctx.stitched, [layer], recompute=positions)
+        result = probe(ctx.lm, ctx.rotary, ctx.stitched, [layer], recompute=positions, queries=False)
         fresh = result.values[layer] if self.deviation == "value" else result.keys[layer]
         reused = ctx.stitched.values[layer] if self.deviation == "value" else ctx.stitched.keys[layer]
         idx = ctx.stitched.slots_of(positions).to(fresh.device)
