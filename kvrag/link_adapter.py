@@ -42,7 +42,7 @@ ADAPTER_FORMAT = "kvrag-link-adapter"
 ADAPTER_FORMAT_VERSION = 1
 HEADER_KEY = "kvrag_link_adapter"
 
-SHIPPED_DIR = Path(__file__).parent.parent / "adapters"
+SHIPPED_DIR = Path(__file__).parent / "adapters"
 # Adapters shipped in the package, per model source and kind: "tuned" changes the weights (LoRA;
 # `link_adapter="tuned"`: kvlink answers over a merged copy, every other method over the base
 # weights), "links" leaves them as they are (only the link embeddings; `link_adapter="auto"` or

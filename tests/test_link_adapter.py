@@ -179,3 +179,14 @@ def test_an_adapter_over_a_model_with_one_merged_in_is_refused_and_with_store_sh
     a = tuned.prefill(Q, chunks=CHUNKS)
     b = other.prefill(Q, chunks=CHUNKS)
     assert b.stats.cache_misses == 3 and torch.equal(a.logits, b.logits)
+
+
+def test_every_shipped_adapter_file_is_where_the_engine_looks():
+    """A missing shipped file is skipped on purpose (a checkout without it still runs), so a wrong folder
+    would silently serve no adapter: after a move the files were once looked for one folder too high."""
+    from kvrag.link_adapter import SHIPPED_ADAPTERS, SHIPPED_DIR, read_adapter_header
+
+    for kinds in SHIPPED_ADAPTERS.values():
+        for name in kinds.values():
+            assert (SHIPPED_DIR / name).is_file(), SHIPPED_DIR / name
+            assert read_adapter_header(SHIPPED_DIR / name)["format"]
