@@ -4,6 +4,7 @@ imported counts."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,10 +30,29 @@ def test_the_engine_still_loads_on_first_use():
     assert "torch" in loaded_after("import kvrag\nkvrag.KVRag")
 
 
-def test_the_server_needs_no_langchain():
+def test_the_server_answers_a_chat_with_langchain_unimportable():
+    """`kvrag serve` without langchain-core installed: every LangChain import fails in this interpreter,
+    and the server still builds a multi-message chat prompt and answers."""
     pytest.importorskip("fastapi")
-    mods = loaded_after("from kvrag.server.app import create_app")
-    assert not {m for m in mods if m.startswith("langchain")}
+    code = f"""
+import importlib.abc, sys
+class NoLangChain(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0].startswith("langchain"):
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, NoLangChain())
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from fastapi.testclient import TestClient
+from kvrag import KVRag, from_model
+from kvrag.server.app import create_app
+from kvrag.server.settings import ServerSettings
+from tiny import tiny_model, tiny_tokenizer
+rag = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://", check=False)
+chat = {{"model": "kvrag", "max_tokens": 2, "messages": [{{"role": "system", "content": "Be brief."}}, {{"role": "user", "content": "hi"}}]}}
+print(TestClient(create_app(rag, ServerSettings())).post("/v1/chat/completions", json=chat).status_code)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split()[-1:] == ["200"], out.stderr[-2000:]
 
 
 def test_an_answer_draws_no_deprecation_warning_from_transformers():
