@@ -157,7 +157,7 @@ def compare_with_full(rag, question: str, chunks, methods, raw: str | None = Non
         if method != "full" and pre.stats.full_reason:
             quality += f"; read whole ({pre.stats.context_tokens} chunk tokens)"
         label = (method if method in RATIO_FREE else f"{method}@{DEFAULT_RATIO:g}") + tag
-        lines.append(f"[{label:>24}] {text}\n{'':27}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
+        lines.append(f"[{label:>28}] {text}\n{'':31}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
     return lines
 
 
