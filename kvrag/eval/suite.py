@@ -191,7 +191,8 @@ def suite_markdown(results: dict[str, Any], verdict: dict[str, Any], meta: dict[
     lines += ["| set | tokens | n | setting | contained | F1 | agreement w/ base Full | first-token KL | recomputed | TTFT Full ÷ setting |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for block in results.values():
-        for r in block["rows"]:
+        for name in _in_order({r["setting"] for r in block["rows"]}):
+            r = _row(block, name)
             lines.append(
                 f"| {block['set']} | {block['length']} | {r['n']} | {r['setting']} | {r['contains']:.3f} | {r['f1']:.3f} | "
                 f"{r['agree']:.3f} | {r['kl']:.3f} | {r['recomputed_share']:.0%} | {r['ttft_ratio']:.1f}× |"
@@ -201,13 +202,19 @@ def suite_markdown(results: dict[str, Any], verdict: dict[str, Any], meta: dict[
     return "\n".join(lines) + "\n"
 
 
+def _in_order(names: set[str]) -> list[str]:
+    """Setting names in the suite's own order (suite_settings), whatever order their records came in."""
+    order = [s.name for s in suite_settings(with_tuned=True)]
+    return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
+
+
 def pivot_markdown(results: dict[str, Any]) -> str:
     """One line per set and length: answer-contained of each setting (agreement with base Full and the
     TTFT ratio beside the default's), the compact view the README shows."""
     blocks = list(results.values())
     if not blocks:
         return ""
-    names = [r["setting"] for r in blocks[0]["rows"]]
+    names = _in_order({r["setting"] for b in blocks for r in b["rows"]})
     default = Setting(DEFAULT_METHOD, DEFAULT_RATIO).name
     head = "| set | tokens | n | " + " | ".join(f"`{n}`" for n in names) + " |\n|---|---|---|" + "---|" * len(names) + "\n"
     lines = []
