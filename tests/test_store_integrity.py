@@ -315,3 +315,25 @@ def test_the_engine_bounds_its_store_by_its_models_largest_entry(lm, tmp_path):
     assert size < want
     layers, heads, dim = kv_shape(lm)
     assert want >= lm.max_context * layers * 2 * heads * dim * lm.dtype.itemsize  # a full-context entry fits
+
+
+# -- `kvrag store gc` checks the MAC when the store has a key -------------------------------------
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_gc_with_a_key_removes_a_forged_entry_and_keeps_the_signed_ones(kind, tmp_path, redis_url, monkeypatch):
+    """gc read entries with the unkeyed checksum only, so it kept forged entries a keyed reader refuses."""
+    from kvrag.cache_backends.admin import gc, open_admin
+
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    url = f"disk://{tmp_path}" if kind == "disk" else redis_url
+    signed = open_store(url)
+    if kind == "redis":
+        signed.client.flushdb()
+    signed.put(D2, d2())
+    forger = DiskStore(tmp_path, key="") if kind == "disk" else RedisStore(redis_url, key="")
+    forger.put(D1, d1())  # a sound checksum, no MAC
+    plan = gc(open_admin(url), dry_run=True)
+    assert [(b["key"], "MAC" in b["problem"]) for b in plan["bad_entries"]] == [(D1, True)]
+    gc(open_admin(url))
+    assert signed.get(D1) is None and same(signed.get(D2), d2())
+    monkeypatch.delenv(KEY_ENV)
+    assert gc(open_admin(url), dry_run=True)["bad_entries"] == []  # without a key, both checksums are sound

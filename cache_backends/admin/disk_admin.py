@@ -52,7 +52,7 @@ class DiskAdmin(StoreAdmin):
             return None
         try:
             size = os.fstat(fd).st_size
-            entry, _ = read_entry(fd, torch.empty(size, dtype=torch.uint8)) if size else (CorruptEntryError("empty file"), 0)
+            entry, _ = read_entry(fd, torch.empty(size, dtype=torch.uint8), self.store.mac_key, key) if size else (CorruptEntryError("empty file"), 0)
         finally:
             os.close(fd)
         return damage_of(entry)

@@ -107,7 +107,7 @@ class RedisAdmin(StoreAdmin):
                 return f"corrupt: {exc}"
             if data is None:
                 return "corrupt: a part of this split entry is missing"
-        entry, _ = decode_fetched(data)
+        entry, _ = decode_fetched(data, self.store.mac_key, key)
         return damage_of(entry)
 
     def links(self) -> list[Link]:
