@@ -246,14 +246,17 @@ class RequestPipeline:
         t = clock(self.lm.device)
         headers = self.repo.layout.header_lines(pre.chunks)
         tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context, headers)
-        while True:
-            with self.lm.lock:
-                piece = next(tokens, None)
-            if piece is None:
-                break
-            yield piece
-        pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
-        pre.stats.decode_s = clock(self.lm.device) - t
-        pre.stats.generated_tokens = len(state.token_ids)
-        pre.stats.decode_setup_s = state.setup_s
-        pre.stats.echoed_header = state.echoed.strip()
+        try:
+            while True:
+                with self.lm.lock:
+                    piece = next(tokens, None)
+                pre.stats.generated_tokens = len(state.token_ids)  # counted as they come: an abandoned answer's too
+                if piece is None:
+                    break
+                yield piece
+        finally:  # exhausted, or closed by a consumer that stopped early
+            pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
+            pre.stats.decode_s = clock(self.lm.device) - t
+            pre.stats.generated_tokens = len(state.token_ids)
+            pre.stats.decode_setup_s = state.setup_s
+            pre.stats.echoed_header = state.echoed.strip()

@@ -46,10 +46,10 @@ class ChunkIn(BaseModel):
     text: str = Field(min_length=1)
     title: str = ""
 
-    @field_validator("id")
+    @field_validator("id", mode="before")  # before pydantic's own str check: it refuses a lone surrogate in generic words
     @classmethod
-    def _printable_id(cls, value: str) -> str:
-        problem = id_problem(value)
+    def _printable_id(cls, value: Any) -> Any:
+        problem = id_problem(value) if isinstance(value, str) else None
         if problem:
             raise ValueError(problem)
         return value
