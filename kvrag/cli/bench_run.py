@@ -165,7 +165,11 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "sets": sets, "lengths": lengths}
     if args.report_only:  # what is answered so far: no model, no new answers
-        verdict = write_suite(collect(out, sets, lengths), out, {**meta, "partial": True})
+        results = collect(out, sets, lengths)
+        complete = all(results.get(f"{s}/{n}", {}).get("n", 0) >= (args.n or SETS[s].n) for s in sets for n in lengths)
+        earlier = _earlier_meta(out)  # the model and adapter the answering runs recorded
+        meta.update(partial=not complete, model=args.model or earlier.get("model", ""), tuned=earlier.get("tuned", args.tuned))
+        verdict = write_suite(results, out, meta)
         print((out / "suite.md").read_text())
         return 0
     store = args.store or f"disk://{(out / 'kv').resolve()}"
@@ -184,6 +188,14 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
     print((out / "suite.md").read_text())
     print(f"default by the rule: {verdict['default']}; results in {out}/ (suite.md, suite.json, suite.png)", file=sys.stderr)
     return 0
+
+
+def _earlier_meta(out: Path) -> dict:
+    """The meta of the suite.json under `out`, if any (a report keeps what the answering runs recorded)."""
+    try:
+        return json.loads((out / "suite.json").read_text()).get("meta", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
