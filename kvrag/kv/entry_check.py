@@ -70,7 +70,9 @@ def all_finite(t: torch.Tensor) -> bool:
         seen = _FINITE.get(key)
     if seen is not None and seen[0]() is t and seen[1] == t._version:
         return True
-    if not bool(torch.isfinite(t).all()):
+    # one reduction pass: a NaN or an infinity anywhere makes the sum non-finite; only then (or when
+    # huge finite values overflow it) is every value looked at
+    if not bool(torch.isfinite(t.sum(dtype=torch.float32))) and not bool(torch.isfinite(t).all()):
         return False
     with _FINITE_LOCK:
         _FINITE[key] = (weakref.ref(t, lambda _ref, key=key: _forget(key, _ref)), t._version)
