@@ -120,7 +120,7 @@ def test_abandoned_stream_leaves_the_cache_as_decoded_so_far(rag):
     assert cache_len(pre.output.cache) == start + len(state.token_ids) - 1  # every token but the last was fed back
 
 
-def test_auto_is_off_on_the_cpu_and_on_for_cuda():
+def test_auto_is_on_for_cuda_and_on_the_cpu_where_the_lean_step_applies():
     cfg = DecodeConfig()
     assert cfg.static is None
     assert not cfg.static_on(torch.device("cpu")) and cfg.static_on(torch.device("cuda"))
@@ -130,7 +130,9 @@ def test_auto_is_off_on_the_cpu_and_on_for_cuda():
         DecodeConfig(static="yes")
     lm = from_model(tiny_model("llama"), tiny_tokenizer())
     cache = SpliceCache([(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))] * 3, reserve=4)
-    assert isinstance(stepper(lm, cache, 3, DecodeConfig()), EagerStep)  # the CPU default is unchanged
+    assert cfg.static_on(torch.device("cpu"), lm.model)  # a supported architecture: the lean static step
+    assert isinstance(stepper(lm, cache, 3, DecodeConfig()), StaticDecoder)
+    assert isinstance(stepper(lm, cache, 3, DecodeConfig(static=False)), EagerStep)
 
 
 def test_caches_it_cannot_serve_decode_eagerly():

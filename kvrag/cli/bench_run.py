@@ -198,6 +198,25 @@ def _earlier_meta(out: Path) -> dict:
         return {}
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    """`kvrag bench-decode`: see kvrag.eval.decode_speed."""
+    from kvrag.eval.decode_speed import decode_markdown, run_decode_bench
+
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+    rag = KVRag.from_pretrained(args.model, store="memory://", device=args.device, link_adapter=BASE_WEIGHTS)
+    result = run_decode_bench(rag, contexts, new_tokens=args.new_tokens, repeats=args.repeats)
+    hw = hardware()
+    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hw, "model": rag.lm.source,
+            "hardware_line": f"{hw.get('cpu') or hw.get('machine')}, {hw.get('cores', '?')} cores; {hw['threads']} torch threads, torch {hw['torch']}"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
+    md = decode_markdown(result, meta)
+    (out / "decode.md").write_text(md)
+    print(md)
+    return 0
+
+
 def cmd_bench_store(args: argparse.Namespace) -> int:
     print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
     return 0

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvrag.decode.lean import lean_step
 from kvrag.model.cache import SlotCache, SpliceLayer, cache_arg
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,15 @@ class StaticStep:
     """One decode step over fixed-shape inputs. `set` fills them outside; `run` is the region a
     CUDA graph captures (on the CPU it simply runs), returning the next token's logits [vocab]."""
 
-    def __init__(self, model: Any, buffers: Sequence[KV], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: Any, buffers: Sequence[KV], dtype: torch.dtype, device: torch.device, lean: bool = True) -> None:
         capacity = buffers[0][0].shape[-2]
         self.model = model
         self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.buffers = list(buffers)
         self.cache = SlotCache(buffers, self.slot)
+        self.lean = lean_step(model) if lean else None  # the same modules without the stock forward's overhead
         self._slots = torch.arange(capacity, device=device)
         self._visible = torch.zeros((), dtype=dtype, device=device)
         self._hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
@@ -68,6 +71,8 @@ class StaticStep:
     def run(self) -> torch.Tensor:
         """The forward of `token` at `position`, writing slot `slot`; no host sync, no shape that changes."""
         mask = torch.where(self._slots <= self.slot, self._visible, self._hidden)[None, None, None]
+        if self.lean is not None:
+            return self.lean(self.token, self.position, self.buffers, self.slot, mask)[0]
         out = self.model(
             input_ids=self.token,
             position_ids=self.position,
@@ -127,7 +132,12 @@ class StaticDecoder:
         if slot >= self.capacity:
             raise RuntimeError(f"static decode ran out of its {self.capacity - self.start} reserved slots")
         self.step.set(token, position, slot)
-        logits = self._replay() if self.graph else self.step.run()
+        if self.graph:
+            logits = self._replay()
+        elif self.step.lean is not None:  # no graph to keep shapes fixed for: attend over the written slots only
+            logits = self.step.lean(self.step.token, self.step.position, self.step.buffers, self.step.slot, None, slot + 1)[0]
+        else:
+            logits = self.step.run()
         self.written += 1
         return logits
 

@@ -1,0 +1,123 @@
+"""One decode step through the model's own modules, without the transformers forward around them.
+
+Why: a decode step of a small model on the CPU is bound by per-call overhead, not by reading the
+weights (issue #39: 17 tok/s against a ~63 tok/s weights-read bound for the bundled model). The stock
+forward spends much of a step on what a fixed-shape step does not need: building the mask, the cache
+object's bookkeeping, output dataclasses, keyword plumbing through every layer. This step calls the
+same submodules in the same order as the decoder layers' own forwards (norms, projections, RoPE, the
+configured attention function, MLP), so its logits are bit-identical to the stock forward over the
+same static buffers (tests/test_lean_decode.py checks every supported architecture), and it is a
+plain function of tensors that `torch.compile` can take whole.
+
+One step serves one or many sequences: tokens and positions are [B, 1], the KV buffers
+[B, kv_heads, capacity, head_dim], `slot` [B] (where each sequence writes this step) and the mask
+[B, 1, 1, capacity] (each sequence sees its own written slots). B = 1 is the single-stream decode.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+# decoder layers whose forward is exactly: norm, attention (q/k/v projections, optional q/k norms
+# on the heads, RoPE, cache write, attention function, o_proj), residual, norm, MLP, residual
+SUPPORTED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+ATTENTION = frozenset({"sdpa", "eager", "kvrag_sdpa"})  # kvrag_sdpa: stock SDPA outside a stitched pass
+
+
+def lean_supported(model: Any) -> bool:
+    """Whether `model` is one whose decoder layers this step reproduces exactly."""
+    cfg = getattr(model, "config", None)
+    return (
+        getattr(cfg, "model_type", None) in SUPPORTED
+        and getattr(cfg, "_attn_implementation", None) in ATTENTION
+        and hasattr(getattr(model, "model", None), "layers")
+        and hasattr(model, "lm_head")
+    )
+
+
+class LeanStep:
+    """`step(tokens, positions, buffers, slot, mask) -> logits [B, vocab]` for a supported model."""
+
+    def __init__(self, model: Any) -> None:
+        if not lean_supported(model):
+            raise ValueError(f"no lean decode step for {getattr(model.config, 'model_type', type(model).__name__)}")
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers[: model.config.num_hidden_layers])
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        module = sys.modules[type(self.layers[0].self_attn).__module__]
+        self.apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = module.apply_rotary_pos_emb
+        impl = model.config._attn_implementation
+        self.attend: Callable[..., tuple[torch.Tensor, Any]] = ALL_ATTENTION_FUNCTIONS.get_interface(
+            impl, module.eager_attention_forward)  # as the attention module's forward chooses it
+        if impl == "kvrag_sdpa":  # which is stock SDPA outside a stitched pass (decoding is never inside one)
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            self.attend = sdpa_attention_forward
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, buffers: Sequence[KV], slot: torch.Tensor,
+                 mask: torch.Tensor | None, length: int | None = None) -> torch.Tensor:
+        """`length` (one sequence, no graph): attend over the first `length` slots only, unmasked (every
+        one is written), as the growing-cache forward does; else over the whole buffers through `mask`."""
+        hidden = self.embed(tokens)
+        cos, sin = self.rotary(hidden, position_ids=positions)
+        for layer, (kbuf, vbuf) in zip(self.layers, buffers):
+            hidden = self._layer(layer, hidden, cos, sin, kbuf, vbuf, slot, mask, length)
+        hidden = self.norm(hidden)
+        return self.lm_head(hidden[:, -1, :])
+
+    def _layer(self, layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor,
+               vbuf: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor | None, length: int | None) -> torch.Tensor:
+        residual = hidden
+        x = layer.input_layernorm(hidden)
+        attn = layer.self_attn
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape)
+        k = attn.k_proj(x).view(shape)
+        if getattr(attn, "q_norm", None) is not None:  # qwen3: RMSNorm over each head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = self.apply_rotary(q, k, cos, sin)
+        _write(kbuf, k, slot)
+        _write(vbuf, v, slot)
+        if length is not None:
+            kbuf, vbuf, mask = kbuf[:, :, :length], vbuf[:, :, :length], None
+        out, _ = self.attend(attn, q, kbuf, vbuf, mask, dropout=0.0, scaling=attn.scaling)
+        hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        residual = hidden
+        return residual + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _write(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
+    """Write each sequence's one new K (or V) [B, kv_heads, 1, d] at its own slot, in place."""
+    new = new.to(buf.dtype)
+    if buf.shape[0] == 1:
+        buf.index_copy_(2, slot, new)
+    else:
+        rows = torch.arange(buf.shape[0], device=buf.device)
+        buf[rows, :, slot] = new[:, :, 0]
+
+
+_STEPS: "weakref.WeakKeyDictionary[Any, LeanStep]" = weakref.WeakKeyDictionary()
+
+
+def lean_step(model: Any) -> LeanStep | None:
+    """The model's lean step (made once per model), or None if its architecture is not one it reproduces."""
+    if not lean_supported(model):
+        return None
+    step = _STEPS.get(model)
+    if step is None:
+        step = _STEPS[model] = LeanStep(model)
+    return step
