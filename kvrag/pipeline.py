@@ -247,9 +247,8 @@ class RequestPipeline:
         headers = self.repo.layout.header_lines(pre.chunks)
         tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context, headers)
         try:
-            while True:
-                with self.lm.lock:
-                    piece = next(tokens, None)
+            while True:  # each forward takes the model lock itself (a batched step: its leader, for all rows)
+                piece = next(tokens, None)
                 pre.stats.generated_tokens = len(state.token_ids)  # counted as they come: an abandoned answer's too
                 if piece is None:
                     break

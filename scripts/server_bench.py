@@ -1,4 +1,4 @@
-"""`kvrag serve` vs one `kvrag ask` process per question, and the server under 1/4/8 concurrent clients.
+"""`kvrag serve` vs one `kvrag ask` process per question, and the server under 1/2/4/8/16 concurrent clients.
 
     python scripts/server_bench.py --out runs/server-bench            # 20 questions, 20 `kvrag ask` calls
     python scripts/server_bench.py --out runs/server-bench --quick    # a handful of each: the harness end to end
@@ -7,7 +7,10 @@ Everything lives under OUT (its own $KVRAG_HOME: chroma index, disk KV store). T
 corpus is indexed and ingested through the server, so both paths read the same cached KV; a
 server question includes its retrieval (same chroma index, top-k) so the comparison is per question,
 end to end. Server TTFT is measured at the client: request sent -> first content piece (SSE),
-queueing included. Writes OUT/server_bench.json and OUT/server_bench.md.
+queueing included. Concurrent answers decode together (kvrag.decode.batch: one forward a step for
+every running request), up to --max-concurrency at once. In the same run, single-stream decode
+tokens/s of the engine beside stock `generate` (kvrag.eval.decode_speed). Writes OUT/server_bench.json,
+OUT/server_bench.md and OUT/server_bench.png (throughput and p50 latency against clients).
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="4 server questions per level, 2 `kvrag ask` calls, 8 new tokens")
     p.add_argument("--n", type=int, default=20, help="questions through the server (per concurrency level)")
     p.add_argument("--cli-n", type=int, default=None, help="`kvrag ask` subprocess calls (default: --n)")
-    p.add_argument("--concurrency", default="1,4,8", help="concurrent clients, comma-separated")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="concurrent clients, comma-separated")
+    p.add_argument("--max-concurrency", type=int, default=None, help="the server's max_concurrency (default: its own)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--stop-at", default=None, choices=["none", "line", "sentence"], help="the answers' stop rule (default: the server's)")
     p.add_argument("--method", default="reuse")
     p.add_argument("--model", default=None, help="HF id, folder or .gguf (default: bundled SmolLM2)")
     p.add_argument("--device", default="auto")
@@ -67,8 +72,10 @@ def start_server(args: argparse.Namespace) -> tuple[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    settings = ServerSettings(port=port, model=args.model, device=args.device, max_queue=64, max_new_tokens=args.max_new_tokens)
+    extra = {} if args.max_concurrency is None else {"max_concurrency": args.max_concurrency}
+    settings = ServerSettings(port=port, model=args.model, device=args.device, max_queue=64, max_new_tokens=args.max_new_tokens, **extra)
     rag = KVRag.from_pretrained(args.model, device=args.device)
+    args.engine, args.max_concurrency = rag, settings.max_concurrency
     server = uvicorn.Server(uvicorn.Config(create_app(rag, settings), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
@@ -79,7 +86,7 @@ def start_server(args: argparse.Namespace) -> tuple[str, Any]:
 def stream_question(url: str, question: str, chunk_ids: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """One streamed chat completion; client-side TTFT and total time, the engine's stats."""
     body = {"model": "kvrag", "stream": True, "max_tokens": args.max_new_tokens, "messages": [{"role": "user", "content": question}],
-            "kvrag": {"chunk_ids": chunk_ids, "method": args.method}}
+            "kvrag": {"chunk_ids": chunk_ids, "method": args.method, **({"stop_at": args.stop_at} if args.stop_at else {})}}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft, text, stats = None, "", {}
@@ -134,8 +141,10 @@ def concurrent_level(url: str, work: list[tuple[str, list[str]]], clients: int, 
         rows = list(pool.map(lambda qi: stream_question(url, qi[0], qi[1], args), work))
     wall = time.perf_counter() - t0
     ttfts = [r["ttft_s"] for r in rows]
+    totals = [r["total_s"] for r in rows]
     return {"clients": clients, "requests": len(rows), "wall_s": wall, "throughput_rps": len(rows) / wall,
             "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+            "latency_p50_s": pct(totals, 50), "latency_p99_s": pct(totals, 99),
             "engine_ttft_p50_s": pct([r["engine_ttft_s"] or 0.0 for r in rows], 50)}
 
 
@@ -143,7 +152,8 @@ def markdown(result: dict[str, Any]) -> str:
     s, c = result["sequential"], result["concurrency"]
     lines = [
         f"# kvrag serve benchmark ({result['meta']['model']}, method {result['meta']['method']}, "
-        f"{result['meta']['max_new_tokens']} new tokens, top-{result['meta']['top_k']})",
+        f"{result['meta']['max_new_tokens']} new tokens, stop_at {result['meta'].get('stop_at') or 'the server default'}, "
+        f"top-{result['meta']['top_k']})",
         "",
         "| path | questions | wall per question p50 (s) | mean (s) | engine TTFT p50 (s) |",
         "|---|---|---|---|---|",
@@ -152,13 +162,46 @@ def markdown(result: dict[str, Any]) -> str:
         walls = [r["wall_s"] for r in rows]
         eng = [r["engine_ttft_s"] or 0.0 for r in rows]
         lines.append(f"| {name} | {len(rows)} | {pct(walls, 50):.3f} | {statistics.fmean(walls) if walls else float('nan'):.3f} | {pct(eng, 50):.3f} |")
-    lines += ["", "| concurrent clients | requests | throughput (req/s) | TTFT p50 (s) | TTFT p99 (s) | engine TTFT p50 (s) |",
-              "|---|---|---|---|---|---|"]
+    base = c[0]["throughput_rps"] if c else float("nan")
+    lines += ["", f"Server max_concurrency {result['meta'].get('max_concurrency')}: up to that many answers decode together, "
+              "one forward a step (kvrag.decode.batch); more wait in the queue.", "",
+              "| concurrent clients | requests | throughput (req/s) | × 1 client | TTFT p50 (s) | TTFT p99 (s) | latency p50 (s) | latency p99 (s) | engine TTFT p50 (s) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for lv in c:
-        lines.append(f"| {lv['clients']} | {lv['requests']} | {lv['throughput_rps']:.2f} | {lv['ttft_p50_s']:.3f} | "
-                     f"{lv['ttft_p99_s']:.3f} | {lv['engine_ttft_p50_s']:.3f} |")
-    lines += ["", "TTFT at the client includes queueing: the server runs one request on the engine at a time."]
+        lines.append(f"| {lv['clients']} | {lv['requests']} | {lv['throughput_rps']:.2f} | {lv['throughput_rps'] / base:.1f}× | "
+                     f"{lv['ttft_p50_s']:.3f} | {lv['ttft_p99_s']:.3f} | {lv.get('latency_p50_s', float('nan')):.3f} | "
+                     f"{lv.get('latency_p99_s', float('nan')):.3f} | {lv['engine_ttft_p50_s']:.3f} |")
+    lines += ["", "TTFT and latency at the client include queueing and retrieval is not counted in them (ids are retrieved before)."]
+    d = result.get("decode")
+    if d:
+        for r in d["rows"]:
+            lines += ["", f"Single-stream decode in the same run ({r['context_tokens']} context tokens, {r['new_tokens']} new): "
+                      f"the engine {r['engine_tok_s']:.1f} tok/s, stock `generate` {r['generate_tok_s']:.1f} tok/s "
+                      f"(weights-read bound {d['bound_tok_s']} tok/s); same tokens: {r['generate_same_tokens']}."]
     return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Throughput and p50 latency against concurrent clients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = result["concurrency"]
+    x = [lv["clients"] for lv in c]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(x, [lv["throughput_rps"] for lv in c], "o-", color="tab:blue", label="throughput (req/s)")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("requests/s", color="tab:blue")
+    ax.set_xscale("log", base=2)
+    ax2 = ax.twinx()
+    ax2.plot(x, [lv.get("latency_p50_s", float("nan")) for lv in c], "s--", color="tab:red", label="latency p50 (s)")
+    ax2.set_ylabel("latency p50 (s)", color="tab:red")
+    ax.set_title(f"kvrag serve, max_concurrency {result['meta'].get('max_concurrency')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,17 +230,31 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "KVRAG_HOME": str(out / "home")}
     seq_cli = cli_calls(questions[: args.cli_n], args, env)
     work = [(q, [c.id for c in index.query(q, k=args.top_k)]) for q in questions]
-    levels = [concurrent_level(url, work, int(c), args) for c in args.concurrency.split(",") if c]
+    levels = []
+    for c in (int(x) for x in args.concurrency.split(",") if x):
+        batch = [work[i % len(work)] for i in range(max(len(work), 3 * c))]  # every client busy most of the level
+        levels.append(concurrent_level(url, batch, c, args))
+    # single-stream decode against stock generate, in this run (the server idle now): the in-process
+    # engine, or (--server) one loaded here
+    from kvrag.engine import KVRag
+    from kvrag.eval.decode_speed import run_decode_bench
+
+    engine = getattr(args, "engine", None) or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
+    decode = run_decode_bench(engine, [1024], new_tokens=64, repeats=2)
     result = {
-        "meta": {"model": args.model or "bundled SmolLM2-135M-Instruct", "method": args.method, "max_new_tokens": args.max_new_tokens,
+        "meta": {"model": args.model or "bundled SmolLM2-135M-Instruct", "method": args.method, "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
                  "top_k": args.top_k, "n": args.n, "cli_n": args.cli_n, "quick": args.quick, "server": url, "cpu_count": os.cpu_count(),
                  "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
         "sequential": {"server": seq_server, "cli": seq_cli},
         "concurrency": levels,
+        "decode": decode,
     }
+    with urllib.request.urlopen(url + "/health", timeout=30) as resp:  # what the server says it runs with
+        result["meta"]["max_concurrency"] = json.loads(resp.read())["queue"]["max_concurrency"]
     (out / "server_bench.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)
     (out / "server_bench.md").write_text(md)
+    plot(result, out / "server_bench.png")
     print(md)
     if server is not None:
         server.should_exit = True

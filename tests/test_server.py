@@ -221,7 +221,7 @@ def test_health_and_metrics(http, live):
     assert http.post("/v1/chunks", json={"chunks": chunk_json(THREE_CHUNKS)}).status_code == 200  # "a" exists whatever ran before
     h = http.get("/health").json()
     assert h["status"] == "ok" and h["store"] == "memory://" and h["uptime_s"] >= 0
-    assert h["queue"] == {"running": 0, "waiting": 0, "max_concurrency": 1, "max_queue": 16}
+    assert h["queue"] == {"running": 0, "waiting": 0, "max_concurrency": 8, "max_queue": 16}
     assert health(live.url)["status"] == "ok"
     answered = ("kvrag_ttft_seconds_count", ())  # the histogram's count: answers observed, not a time
     before = metric_samples(http.get("/metrics").text).get(answered, 0)
@@ -374,7 +374,7 @@ def test_serve_parser_defaults_and_help(capsys):
     parser = argparse.ArgumentParser(prog="kvrag")
     add_serve_parser(parser.add_subparsers(dest="command"))
     settings = settings_from_args(parser.parse_args(["serve"]))
-    assert settings.host == "127.0.0.1" and settings.port == 8600 and settings.max_concurrency == 1 and settings.max_queue == 16
+    assert settings.host == "127.0.0.1" and settings.port == 8600 and settings.max_concurrency == 8 and settings.max_queue == 16
     assert settings_from_args(parser.parse_args(["serve", "--host", "0.0.0.0", "--max-queue", "4"])).max_queue == 4
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--help"])
@@ -383,15 +383,41 @@ def test_serve_parser_defaults_and_help(capsys):
 
 
 def test_non_loopback_bind_warns_about_authentication(rag, monkeypatch, capsys):
-    from kvrag.server.runner import serve
+    from kvrag.server import runner
 
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
-    serve(ServerSettings(host="0.0.0.0", port=9), rag=rag)
-    assert calls and calls[0]["host"] == "0.0.0.0"
+    monkeypatch.setattr(runner, "run_beside_home", lambda server: calls.append(server.config))
+    runner.serve(ServerSettings(host="0.0.0.0", port=9), rag=rag)
+    assert calls and calls[0].host == "0.0.0.0"
     assert "NO authentication" in capsys.readouterr().err
-    serve(ServerSettings(), rag=rag)
-    assert "NO authentication" not in capsys.readouterr().err and calls[1]["host"] == "127.0.0.1"
+    runner.serve(ServerSettings(), rag=rag)
+    assert "NO authentication" not in capsys.readouterr().err and calls[1].host == "127.0.0.1"
+
+
+def test_kvrag_serve_runs_the_model_on_its_own_thread_and_stops_cleanly(rag):
+    """`kvrag serve` runs HTTP in a thread and every model call on the thread that loaded the model."""
+    import threading
+
+    from kvrag.model.home_thread import HOME
+    from kvrag.server import runner
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(rag, SETTINGS), host="127.0.0.1", port=port, log_level="warning"))
+    seen = {}
+
+    def client() -> None:
+        while not server.started:
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, trust_env=False) as h:
+            seen["status"] = h.post("/v1/chat/completions", json=chat("Hi", max_tokens=3)).status_code
+            seen["serving"] = HOME.serving
+        server.should_exit = True
+
+    t = threading.Thread(target=client)
+    t.start()
+    runner.run_beside_home(server)  # this thread is the model's home until the server stops
+    t.join(30)
+    assert seen == {"status": 200, "serving": True} and not HOME.serving
 
 
 def test_stream_via_server_mirrors_the_local_engine(live, rag):

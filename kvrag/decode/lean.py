@@ -77,11 +77,35 @@ class LeanStep:
         hidden = self.norm(hidden)
         return self.lm_head(hidden[:, -1, :])
 
-    def _layer(self, layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor,
-               vbuf: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor | None, length: int | None) -> torch.Tensor:
-        residual = hidden
-        x = layer.input_layernorm(hidden)
-        attn = layer.self_attn
+    @torch.no_grad()
+    def many(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[tuple[Sequence[KV], int]]) -> torch.Tensor:
+        """One step for several sequences that each keep their own buffers: `seqs[b]` is (its per-layer
+        [1, kv_heads, capacity, d] buffers, its slot). Projections and MLP run on all rows at once (the
+        weights are read once for the batch); each row writes its slot and attends over its own slots
+        [0, slot] only, unmasked, exactly as it would alone. Logits [B, vocab]."""
+        hidden = self.embed(tokens)
+        cos, sin = self.rotary(hidden, position_ids=positions)
+        for i, layer in enumerate(self.layers):
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, x, cos, sin)
+            outs = []
+            for b, (buffers, slot) in enumerate(seqs):
+                kbuf, vbuf = buffers[i]
+                kbuf[:, :, slot : slot + 1].copy_(k[b : b + 1])
+                vbuf[:, :, slot : slot + 1].copy_(v[b : b + 1])
+                out, _ = self.attend(attn, q[b : b + 1], kbuf[:, :, : slot + 1], vbuf[:, :, : slot + 1], None,
+                                     dropout=0.0, scaling=attn.scaling)
+                outs.append(out)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.lm_head(self.norm(hidden)[:, -1, :])
+
+    def _qkv(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries and keys [B, heads, 1, d] and values, as the attention module's forward makes them."""
         shape = (*x.shape[:-1], -1, attn.head_dim)
         q = attn.q_proj(x).view(shape)
         k = attn.k_proj(x).view(shape)
@@ -90,6 +114,14 @@ class LeanStep:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = self.apply_rotary(q, k, cos, sin)
+        return q, k, v
+
+    def _layer(self, layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor,
+               vbuf: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor | None, length: int | None) -> torch.Tensor:
+        residual = hidden
+        x = layer.input_layernorm(hidden)
+        attn = layer.self_attn
+        q, k, v = self._qkv(attn, x, cos, sin)
         _write(kbuf, k, slot)
         _write(vbuf, v, slot)
         if length is not None:

@@ -34,8 +34,10 @@ from typing import Any, Sequence
 
 import torch
 
+from kvrag.decode.batch import batcher_for
 from kvrag.decode.lean import lean_step
 from kvrag.model.cache import SlotCache, SpliceLayer, cache_arg
+from kvrag.model.home_thread import on_home
 
 log = logging.getLogger(__name__)
 # torch allows one graph capture at a time per process; engines over different models may decode in parallel threads
@@ -113,6 +115,11 @@ class StaticDecoder:
         self.written = 0
         self.step = StaticStep(lm.model, self.buffers, lm.dtype, lm.device)
         self.graph = lm.device.type == "cuda" if graph is None else graph
+        self._lock = lm.lock
+        self._batcher = None
+        if not self.graph and self.step.lean is not None:
+            self._batcher = batcher_for(lm, self.step.lean)
+            self._batcher.join()
         self._graph: Any = None  # torch.cuda.CUDAGraph once captured
         self._out: torch.Tensor | None = None
         self.replays = 0  # steps served by replaying the graph (tests read it: the capture did not fall back)
@@ -131,15 +138,17 @@ class StaticDecoder:
         slot = self.start + self.written
         if slot >= self.capacity:
             raise RuntimeError(f"static decode ran out of its {self.capacity - self.start} reserved slots")
-        self.step.set(token, position, slot)
-        if self.graph:
-            logits = self._replay()
-        elif self.step.lean is not None:  # no graph to keep shapes fixed for: attend over the written slots only
-            logits = self.step.lean(self.step.token, self.step.position, self.step.buffers, self.step.slot, None, slot + 1)[0]
+        if self._batcher is not None:  # no graph: the step is shared with the other sequences decoding now
+            logits = self._batcher.step(self.buffers, token, position, slot)
         else:
-            logits = self.step.run()
+            logits = on_home(self._locked, token, position, slot)
         self.written += 1
         return logits
+
+    def _locked(self, token: int, position: int, slot: int) -> torch.Tensor:
+        with self._lock:
+            self.step.set(token, position, slot)
+            return self._replay() if self.graph else self.step.run()
 
     def _replay(self) -> torch.Tensor:
         if self._graph is None:
@@ -195,6 +204,9 @@ class StaticDecoder:
 
     def close(self) -> None:
         """Hand the written length back to the cache's layers and free the graph (and its memory pool)."""
+        if self._batcher is not None:
+            self._batcher.leave()
+            self._batcher = None
         length = self.start + self.written
         for layer, (kbuf, vbuf) in zip(self.cache.layers, self.buffers):
             _adopt(layer, kbuf, vbuf, length)

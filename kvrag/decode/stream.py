@@ -14,9 +14,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvrag.model.cache import cache_arg
+from kvrag.model.home_thread import on_home
 from kvrag.model.loading import LoadedModel
 from kvrag.decode.lean import lean_supported
 from kvrag.decode.static import StaticDecoder, supports
@@ -112,7 +114,13 @@ def eos_ids(lm: LoadedModel) -> set[int]:
 
 def pick_token(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None) -> int:
     if cfg.temperature == 0:
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:  # numpy: no torch threads in this thread
+            return int(np.argmax(logits.numpy()))  # the first of equal maxima (or the first NaN), as torch.argmax
         return int(torch.argmax(logits))
+    return on_home(_sample, logits, cfg, gen)
+
+
+def _sample(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None) -> int:
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
@@ -197,6 +205,13 @@ class EagerStep:
 
     @torch.no_grad()
     def __call__(self, token: int, position: int) -> torch.Tensor:
+        return on_home(self._locked, token, position)
+
+    def _locked(self, token: int, position: int) -> torch.Tensor:
+        with self.lm.lock:
+            return self._forward(token, position)
+
+    def _forward(self, token: int, position: int) -> torch.Tensor:
         out = self.lm.model(
             input_ids=torch.tensor([[token]], device=self.lm.device),
             position_ids=torch.tensor([[position]], device=self.lm.device),
@@ -255,12 +270,12 @@ class LazyStep:
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         if self.step is None:
-            self.step = self._make()
+            self.step = on_home(self._make)
         return self.step(token, position)
 
     def close(self) -> None:
         if self.step is not None:
-            self.step.close()
+            on_home(self.step.close)
 
 
 def _stream(

@@ -32,4 +32,35 @@ def serve(settings: ServerSettings, rag=None) -> None:  # noqa: ANN001 (KVRag, i
         rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
     app = create_app(rag, settings)
     print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)
+    run_beside_home(uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                                  timeout_graceful_shutdown=5)))
+
+
+def run_beside_home(server) -> None:  # noqa: ANN001 (uvicorn.Server)
+    """Serve HTTP from a thread while this thread, which loaded the model, runs every model call
+    (kvrag.model.home_thread: one thread for torch's CPU work keeps decoding at full speed). Ctrl-C
+    stops the server gracefully."""
+    import threading
+
+    from kvrag.model.home_thread import HOME
+
+    stop = threading.Event()
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            stop.set()
+            HOME.wake()
+
+    thread = threading.Thread(target=http, name="kvrag-http", daemon=True)
+    thread.start()
+    try:
+        HOME.serve(stop)
+    except KeyboardInterrupt:
+        print("kvrag serve: stopping", file=sys.stderr)
+    finally:
+        server.should_exit = True
+        stop.set()
+        # anything still asking for the model now gets an error rather than waiting forever
+        thread.join(timeout=10)

@@ -12,9 +12,11 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 class ServerSettings:
     """How the server binds, which engine it loads, how much it admits, and the answer defaults.
 
-    One request runs on the engine at a time by default: the model runs one forward at a time
-    anyway (its lock), so more running requests only interleave decoding steps. Requests beyond
-    `max_concurrency` wait in a bounded queue; beyond `max_queue` they get a 503 at once.
+    Up to `max_concurrency` requests run at once: their prefills take turns at the model, and their
+    answers decode together, one forward a step for all of them (kvrag.decode.batch); 8 by
+    measurement (docs/bench/server: throughput still rose from 4 to 8 running requests, and one
+    client's latency is unchanged). Requests beyond it wait in a bounded queue; beyond `max_queue`
+    they get a 503 at once.
     """
 
     host: str = "127.0.0.1"
@@ -22,7 +24,7 @@ class ServerSettings:
     store: str | None = None  # KV store URL; None: disk under $KVRAG_HOME/kv
     model: str | None = None  # HF id, folder or .gguf; None: the bundled SmolLM2-135M-Instruct
     device: str = "auto"
-    max_concurrency: int = 1  # requests running on the engine at once
+    max_concurrency: int = 8  # requests running at once: their decode steps are batched
     max_queue: int = 16  # requests waiting for a slot; more get 503
     retry_after_s: int = 1  # the Retry-After a 503 suggests
     max_body_bytes: int = 1 << 20  # request body limit (413 above)

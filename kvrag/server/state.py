@@ -14,6 +14,8 @@ import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvrag.model.home_thread import on_home
+
 from kvrag.engine import KVRag
 from kvrag.server.errors import CLIENT_CLOSED, log
 from kvrag.server.gate import RequestGate, Slot
@@ -107,8 +109,9 @@ def client_gone(state: ServerState, stage: str) -> Response:
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run an engine call in a worker thread; the event loop keeps serving (health, metrics, 503s)."""
-    return await anyio.to_thread.run_sync(fn, *args)
+    """Run an engine call off the event loop, which keeps serving (health, metrics, 503s): on the
+    model's home thread when one serves (kvrag.model.home_thread), waited for by a worker thread."""
+    return await anyio.to_thread.run_sync(on_home, fn, *args)
 
 
 async def pieces_async(stream: Iterable[str]) -> AsyncIterator[str]:
