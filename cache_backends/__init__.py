@@ -162,7 +162,7 @@ def open_store(url: str | None = None, default_root: str | Path | None = None, d
         return DiskStore(default_root)
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
-    if scheme in ("redis", "rediss"):  # its options are the Redis store's own business
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):  # its options are the Redis store's own business
         from .redis_store import RedisStore
 
         return RedisStore(url, quantize=_quantize(parse_qs(parsed.query)))

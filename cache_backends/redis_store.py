@@ -30,12 +30,13 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from urllib.parse import unquote, urlsplit
 from typing import Any, Callable, Sequence, TypeVar
 
 from .base import CorruptEntryError, StoreError, check_key
 from .byte_store import ByteStore
 from .format import MacKey
-from .redis_options import RedisOptions, connection_url, url_secrets
+from .redis_options import RedisOptions, connection_url, redact_url, url_secrets
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +69,44 @@ def parse_manifest(value: bytes, max_entry_bytes: int) -> tuple[int, int, int | 
     return count, total, part
 
 
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """The seed nodes of a `redis+cluster://[user:password@]host:port,host:port/` URL."""
+    netloc = urlsplit(url).netloc.rsplit("@", 1)[-1]
+    nodes = []
+    for item in filter(None, netloc.split(",")):
+        host, sep, port = item.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise StoreError(f"Redis Cluster URL node {item!r} is not host:port (in {redact_url(url)})")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise StoreError(f"Redis Cluster URL names no node: {redact_url(url)} (e.g. redis+cluster://10.0.0.1:7000,10.0.0.2:7000/)")
+    return nodes
+
+
+def cluster_client(url: str, o: RedisOptions) -> Any:
+    """redis-py's cluster client over the URL's seed nodes: it learns the rest of the cluster and routes
+    each key to its shard's master (an entry and its parts share a slot by their hash tag)."""
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    parts = urlsplit(url)
+    user = password = None
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rsplit("@", 1)[0]
+        name, sep, secret = userinfo.partition(":")
+        user, password = (unquote(name) or None, unquote(secret)) if sep else (None, unquote(name))
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in cluster_nodes(url)],
+        username=user, password=password, ssl=parts.scheme.lower() == "rediss+cluster",
+        socket_timeout=o.socket_timeout, socket_connect_timeout=o.connect_timeout,
+        retry=Retry(NoBackoff(), 1),  # a dead shard is a miss soon, not rounds of reconnects
+    )
+
+
 class RedisStore(ByteStore):
     def __init__(
         self,
@@ -97,6 +136,9 @@ class RedisStore(ByteStore):
         self._secrets = url_secrets(url)
         self._down_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._refusals = (redis.exceptions.RedisError,)
+        self.cluster = urlsplit(url).scheme.lower() in CLUSTER_SCHEMES or type(client).__name__ == "RedisCluster"
+        if client is None and self.cluster:
+            client = cluster_client(url, o)
         if client is None:
             client = redis.Redis.from_url(
                 connection_url(url),

@@ -74,14 +74,14 @@ def open_admin(store: str | Any) -> StoreAdmin:
     url = store
     scheme = urlparse(url).scheme.lower()
     if scheme == "tiered":
-        lower = [u for u in tier_urls(url) if urlparse(u).scheme.lower() in ("disk", "redis", "rediss")]
+        lower = [u for u in tier_urls(url) if urlparse(u).scheme.lower() in ("disk", "redis", "rediss", "redis+cluster", "rediss+cluster")]
         if len(lower) != 1:
             raise StoreError(f"{url!r} has {len(lower)} persistent tiers; run `kvrag store` on one of them: {', '.join(lower) or 'none'}")
         print(f"kvrag store: managing the persistent tier of the tiered store: {lower[0]}", file=sys.stderr)
         return open_admin(lower[0])
     if scheme == "disk":
         return DiskAdmin(_open_disk(url))
-    if scheme in ("redis", "rediss"):
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         return RedisAdmin(open_store(url))
     if scheme == "memory":
         return MemoryAdmin(open_store(url))

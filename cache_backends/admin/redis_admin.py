@@ -27,12 +27,13 @@ class RedisAdmin(StoreAdmin):
 
     def _pipe(self):
         pipe = self.client.pipeline(transaction=False)
-        pipe.execute_command("CLIENT", "NO-TOUCH", "ON")  # Redis 7.2+: our reads leave LRU/LFU alone; older: ignored
+        if not self.store.cluster:  # a connection-wide command has no slot to be routed by in a cluster
+            pipe.execute_command("CLIENT", "NO-TOUCH", "ON")  # Redis 7.2+: our reads leave LRU/LFU alone; older: ignored
         return pipe
 
     def _run(self, pipe) -> list[Any]:
         try:
-            return pipe.execute(raise_on_error=False)[1:]
+            return pipe.execute(raise_on_error=False)[0 if self.store.cluster else 1 :]
         except self.store._down_errors as exc:
             raise StoreError(f"Redis at {self.url} is unreachable: {self.store._redact(exc)}") from None
 
