@@ -13,6 +13,7 @@ import sys
 from importlib import import_module
 from typing import Sequence
 
+from kvrag.cli.args import HelpFormatter
 from kvrag.errors import KVRagError
 from kvrag.quiet import quiet_libraries
 
@@ -29,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         module = import_module(f"kvrag.cli.{name}")
         getattr(module, _REGISTER.get(name, "register"))(sub)
     for name, sub_parser in sub.choices.items():  # every --help shows defaults and one example
-        sub_parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        sub_parser.formatter_class = HelpFormatter
         if not sub_parser.epilog and name in EXAMPLES:
             sub_parser.epilog = f"example: {EXAMPLES[name]}"
     return parser

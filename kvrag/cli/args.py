@@ -43,3 +43,17 @@ def link_adapter_arg(text: str) -> str | None:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"expected auto, links, tuned, none or an adapter file, got {text!r} (no such file)")
     return text
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` for every kvrag command: an option's default shown once (not where its help already says
+    it, nor for flags and unset options), and epilogs (the examples) one per line as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool):
+            return text
+        return super()._get_help_string(action)

@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help=f"contexts of at most this many chunk tokens are read with Full Attention by every method (0: off; default {DEFAULT_SHORT_CONTEXT})")
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
-    ask.add_argument("--max-new-tokens", type=int, default=64)
-    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens the answer may have")
+    ask.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the same answer every time); above 0: sampled")
     ask.add_argument("--json", action="store_true", help="print answer and stats as one JSON object")
     ask.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. update=fusion")
     ask.add_argument("--evict-budget", type=int, default=None, help="SnapKV: chunk tokens kept per layer/head after the first token")
@@ -167,5 +167,6 @@ def cmd_methods(args: argparse.Namespace) -> int:
     from kvrag.methods import METHODS
 
     for name, cls in sorted(METHODS.items()):
-        print(f"{name:12s} {(cls.__doc__ or '').strip().splitlines()[0]}")
+        mark = " (the default)" if name == DEFAULT_METHOD else ""
+        print(f"{name:12s} {(cls.__doc__ or '').strip().splitlines()[0]}{mark}")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvrag.cli.args import link_adapter_arg, ratio_or_auto
+from kvrag.cli.args import HelpFormatter, link_adapter_arg, ratio_or_auto
 from kvrag.server.settings import ServerSettings
 
 EPILOG = """example:
@@ -24,7 +24,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="one warm process (model + KV store) answering over HTTP: OpenAI-compatible chat, ingest, metrics",
         description="Serve kvrag over HTTP. Loopback only unless --host is given; there is no authentication.",
         epilog=EPILOG,
-        formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32),
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--host", default=argparse.SUPPRESS,
                    help=f"interface to bind (default: {d.host}, this machine only); any other is reachable by others, unauthenticated")

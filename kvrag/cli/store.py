@@ -9,7 +9,7 @@ import sys
 from typing import Any, Sequence
 
 
-from kvrag.cli.args import nonneg_float, positive_int
+from kvrag.cli.args import HelpFormatter, nonneg_float, positive_int
 from kvrag.defaults import STALE_TEMP_S
 from kvrag.errors import KVRagError
 
@@ -25,9 +25,7 @@ def _default_store() -> str:
 
 def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`kvrag store stats|ls|rm|gc` on the given subparsers (of the `kvrag` parser)."""
-    class Fmt(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        """Defaults in every --help, and the epilog's examples one per line."""
-
+    Fmt = HelpFormatter
     store = subparsers.add_parser(
         "store", help="inspect and tidy the KV store: stats, ls, rm, gc", formatter_class=Fmt,
         description="Inspect and tidy a KV store (disk:// or redis://; a tiered:// URL through its disk or Redis tier) "

@@ -1,0 +1,38 @@
+"""Issue #38: every `--help` shows an option's default once, never "(default: None)", every option of
+`ask` says what it does, examples keep their lines, and `kvrag methods` names the default."""
+
+import re
+
+import pytest
+
+from kvrag.cli.app import _parser, main
+from kvrag.defaults import DEFAULT_METHOD
+
+
+def helps():
+    parser = _parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return {name: p.format_help() for name, p in sub.choices.items()}
+
+
+@pytest.mark.parametrize("name", sorted(helps()))
+def test_defaults_are_shown_once_and_never_as_none(name):
+    text = helps()[name]
+    assert "(default: None)" not in text
+    for block in re.split(r"\n  (?=-)", text):  # one option's help per block
+        assert block.count("default") <= 1 or block.count("(default:") <= 1, block
+
+
+def test_every_ask_option_is_described_and_examples_keep_their_lines():
+    text = helps()["ask"]
+    for option in ("--max-new-tokens", "--temperature"):
+        line = text[text.index(option):].split("\n  -", 1)[0]
+        assert len(line.split()) > 3, line  # a description, not only the metavar
+    serve = helps()["serve"]
+    assert "\n  curl http://127.0.0.1:8600" in serve  # the example's second command on its own line
+
+
+def test_methods_names_the_default(capsys):
+    assert main(["methods"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(DEFAULT_METHOD + " "))
+    assert "(the default)" in line
