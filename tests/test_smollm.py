@@ -55,6 +55,11 @@ def test_cli_ingest_then_ask(tmp_path, kvrag_home, capsys):
     result = json.loads(capsys.readouterr().out)
     assert "Paris" in result["answer"]
     assert result["stats"]["cache_hits"] == 2 and result["stats"]["chunk_prefill_tokens"] == 0
+    # what the answer read: each chunk's id, title, source file and text (issue #38)
+    by_id = {s["id"]: s for s in result["sources"]}
+    assert list(by_id) == result["chunk_ids"]
+    eiffel = next(s for s in result["sources"] if "Eiffel" in s["text"])
+    assert eiffel["title"] == "Eiffel Tower" and eiffel["source"].endswith("eiffel.md") and "1889" in eiffel["text"]
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path, kvrag_home, capsys):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any, Sequence
 
 from kvrag.cli import common
+from kvrag.types import Chunk
 from kvrag.cli.args import positive_int, ratio_or_auto
 from kvrag.cli.common import DEFAULT_K, add_engine_options, add_server_option
 from kvrag.defaults import (
@@ -90,7 +92,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     )
     if args.json:
         ans = stream.answer()
-        print(json.dumps({"answer": ans.text, "chunk_ids": ans.chunk_ids, "stats": ans.stats.as_dict()}))
+        print(json.dumps({"answer": ans.text, "chunk_ids": ans.chunk_ids, "sources": sources(chunks), "stats": ans.stats.as_dict()}))
         return 0
     for piece in stream:
         sys.stdout.write(piece)
@@ -98,6 +100,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(stream.stats.summary(), file=sys.stderr)
     return 0
+
+
+def sources(chunks: Sequence[Chunk]) -> list[dict[str, Any]]:
+    """What an answer read, for `--json`: each retrieved chunk's id, title, source file and text."""
+    return [{"id": c.id, "title": c.title, "source": c.metadata.get("source", ""), "text": c.text} for c in chunks]
 
 
 def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
@@ -109,7 +116,7 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
     text, stats = ask_via_server(args.server, args.question, chunks=chunks, method=args.method, recompute_ratio=args.recompute_ratio,
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, params=params)
     if args.json:
-        print(json.dumps({"answer": text, "chunk_ids": [c.id for c in chunks], "stats": stats.as_dict()}))
+        print(json.dumps({"answer": text, "chunk_ids": [c.id for c in chunks], "sources": sources(chunks), "stats": stats.as_dict()}))
     else:
         print(text)
         print(stats.summary(), file=sys.stderr)
