@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 
-from .redis_options import redact_url
+from .redis_options import REDIS_SCHEMES, redact_url
 from .base import CorruptEntryError, KVEntry, KVStore, StoreError, StoreStats, StoreURLError, content_key
 from .byte_store import ByteStore
 from .disk import DEFAULT_MAX_BYTES, READ_MODES, DiskStore
@@ -162,7 +162,7 @@ def open_store(url: str | None = None, default_root: str | Path | None = None, d
         return DiskStore(default_root)
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
-    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):  # its options are the Redis store's own business
+    if scheme in REDIS_SCHEMES:  # its options are the Redis store's own business
         from .redis_store import RedisStore
 
         return RedisStore(url, quantize=_quantize(parse_qs(parsed.query)))

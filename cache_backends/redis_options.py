@@ -39,6 +39,10 @@ class RedisOptionError(StoreError, ValueError):
     """A Redis store URL carries an unknown option or a malformed value."""
 
 
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+REDIS_SCHEMES = ("redis", "rediss", *CLUSTER_SCHEMES)  # every URL scheme the Redis store opens
+
+
 def redact_url(url: str) -> str:
     """The URL with the password (and a bare userinfo, which may be one) and `password=` replaced by ***."""
     try:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from .base import CorruptEntryError, StoreError, check_key
 from .byte_store import ByteStore
 from .format import MacKey
-from .redis_options import RedisOptions, connection_url, redact_url, url_secrets
+from .redis_options import CLUSTER_SCHEMES, RedisOptions, connection_url, redact_url, url_secrets
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,9 +67,6 @@ def parse_manifest(value: bytes, max_entry_bytes: int) -> tuple[int, int, int | 
     if not consistent or count > _MAX_PARTS:
         raise CorruptEntryError(f"manifest claims {count} parts for {total} bytes in parts of {part or '?'}")
     return count, total, part
-
-
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 def cluster_nodes(url: str) -> list[tuple[str, int]]:

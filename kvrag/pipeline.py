@@ -256,6 +256,5 @@ class RequestPipeline:
         finally:  # exhausted, or closed by a consumer that stopped early
             pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
             pre.stats.decode_s = clock(self.lm.device) - t
-            pre.stats.generated_tokens = len(state.token_ids)
             pre.stats.decode_setup_s = state.setup_s
             pre.stats.echoed_header = state.echoed.strip()

@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlparse
 
 from kvrag.cache_backends import DiskStore, MemoryStore, StoreError, open_store, tier_urls
 from kvrag.cache_backends.disk import DEFAULT_MAX_BYTES
+from kvrag.cache_backends.redis_options import REDIS_SCHEMES
 from kvrag.cache_backends.admin.base import EntryInfo, Link, StoreAdmin
 from kvrag.cache_backends.admin.disk_admin import DiskAdmin
 from kvrag.cache_backends.admin.redis_admin import RedisAdmin
@@ -74,14 +75,14 @@ def open_admin(store: str | Any) -> StoreAdmin:
     url = store
     scheme = urlparse(url).scheme.lower()
     if scheme == "tiered":
-        lower = [u for u in tier_urls(url) if urlparse(u).scheme.lower() in ("disk", "redis", "rediss", "redis+cluster", "rediss+cluster")]
+        lower = [u for u in tier_urls(url) if urlparse(u).scheme.lower() in ("disk", *REDIS_SCHEMES)]
         if len(lower) != 1:
             raise StoreError(f"{url!r} has {len(lower)} persistent tiers; run `kvrag store` on one of them: {', '.join(lower) or 'none'}")
         print(f"kvrag store: managing the persistent tier of the tiered store: {lower[0]}", file=sys.stderr)
         return open_admin(lower[0])
     if scheme == "disk":
         return DiskAdmin(_open_disk(url))
-    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+    if scheme in REDIS_SCHEMES:
         return RedisAdmin(open_store(url))
     if scheme == "memory":
         return MemoryAdmin(open_store(url))

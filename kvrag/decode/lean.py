@@ -67,15 +67,16 @@ class LeanStep:
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, buffers: Sequence[KV], slot: torch.Tensor,
-                 mask: torch.Tensor | None, length: int | None = None) -> torch.Tensor:
-        """`length` (one sequence, no graph): attend over the first `length` slots only, unmasked (every
-        one is written), as the growing-cache forward does; else over the whole buffers through `mask`."""
-        hidden = self.embed(tokens)
-        cos, sin = self.rotary(hidden, position_ids=positions)
-        for layer, (kbuf, vbuf) in zip(self.layers, buffers):
-            hidden = self._layer(layer, hidden, cos, sin, kbuf, vbuf, slot, mask, length)
-        hidden = self.norm(hidden)
-        return self.lm_head(hidden[:, -1, :])
+                 mask: torch.Tensor) -> torch.Tensor:
+        """Every sequence writes its `slot` of the shared buffers and attends over them through `mask`."""
+
+        def attend(i: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kbuf, vbuf = buffers[i]
+            _write(kbuf, k, slot)
+            _write(vbuf, v, slot)
+            return self.attend(attn, q, kbuf, vbuf, mask, dropout=0.0, scaling=attn.scaling)[0]
+
+        return self._forward(tokens, positions, attend)
 
     @torch.no_grad()
     def many(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[tuple[Sequence[KV], int]]) -> torch.Tensor:
@@ -83,6 +84,22 @@ class LeanStep:
         [1, kv_heads, capacity, d] buffers, its slot). Projections and MLP run on all rows at once (the
         weights are read once for the batch); each row writes its slot and attends over its own slots
         [0, slot] only, unmasked, exactly as it would alone. Logits [B, vocab]."""
+
+        def attend(i: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for b, (buffers, slot) in enumerate(seqs):
+                kbuf, vbuf = buffers[i]
+                kbuf[:, :, slot : slot + 1].copy_(k[b : b + 1])
+                vbuf[:, :, slot : slot + 1].copy_(v[b : b + 1])
+                outs.append(self.attend(attn, q[b : b + 1], kbuf[:, :, : slot + 1], vbuf[:, :, : slot + 1], None,
+                                        dropout=0.0, scaling=attn.scaling)[0])
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+        return self._forward(tokens, positions, attend)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """The decoder layers as their own forwards run them; `attend(layer index, attn, q, k, v)` writes
+        the new K/V where the caller keeps them and returns the attention output [B, 1, heads, d]."""
         hidden = self.embed(tokens)
         cos, sin = self.rotary(hidden, position_ids=positions)
         for i, layer in enumerate(self.layers):
@@ -90,15 +107,7 @@ class LeanStep:
             x = layer.input_layernorm(hidden)
             attn = layer.self_attn
             q, k, v = self._qkv(attn, x, cos, sin)
-            outs = []
-            for b, (buffers, slot) in enumerate(seqs):
-                kbuf, vbuf = buffers[i]
-                kbuf[:, :, slot : slot + 1].copy_(k[b : b + 1])
-                vbuf[:, :, slot : slot + 1].copy_(v[b : b + 1])
-                out, _ = self.attend(attn, q[b : b + 1], kbuf[:, :, : slot + 1], vbuf[:, :, : slot + 1], None,
-                                     dropout=0.0, scaling=attn.scaling)
-                outs.append(out)
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            out = attend(i, attn, q, k, v)
             hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -115,21 +124,6 @@ class LeanStep:
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = self.apply_rotary(q, k, cos, sin)
         return q, k, v
-
-    def _layer(self, layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor,
-               vbuf: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor | None, length: int | None) -> torch.Tensor:
-        residual = hidden
-        x = layer.input_layernorm(hidden)
-        attn = layer.self_attn
-        q, k, v = self._qkv(attn, x, cos, sin)
-        _write(kbuf, k, slot)
-        _write(vbuf, v, slot)
-        if length is not None:
-            kbuf, vbuf, mask = kbuf[:, :, :length], vbuf[:, :, :length], None
-        out, _ = self.attend(attn, q, kbuf, vbuf, mask, dropout=0.0, scaling=attn.scaling)
-        hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
-        residual = hidden
-        return residual + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
 def _write(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
