@@ -56,3 +56,13 @@ STALE_TEMP_S = 3600.0  # a disk writer's temp file older than this is abandoned 
 def kvrag_home() -> Path:
     """Where kvrag keeps everything it writes ($KVRAG_HOME, default ~/.kvrag)."""
     return Path(os.environ.get("KVRAG_HOME", Path.home() / ".kvrag")).expanduser()
+
+
+def model_cache_dir() -> Path:
+    """Where converted model weights are kept, once per source file for every $KVRAG_HOME of this user:
+    $KVRAG_MODEL_CACHE, default $XDG_CACHE_HOME/kvrag/models (~/.cache/kvrag/models). A second home
+    then costs no second de-quantisation and no second copy of the weights."""
+    explicit = os.environ.get("KVRAG_MODEL_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvrag" / "models"

@@ -15,6 +15,14 @@ class Chunk:
     title: str = ""
     metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
+    def as_source(self, text: bool = False) -> dict[str, Any]:
+        """What an answer read, as clients show it: id, title, the file it came from (metadata `source`,
+        as `kvrag ingest` records it; "" if none), and with `text` the chunk's text."""
+        out: dict[str, Any] = {"id": self.id, "title": self.title, "source": str(self.metadata.get("source", "") or "")}
+        if text:
+            out["text"] = self.text
+        return out
+
 
 @dataclass
 class AnswerStats:
@@ -64,6 +72,19 @@ class AnswerStats:
         d = asdict(self)
         d["decode_tokens_per_s"] = self.decode_tokens_per_s
         return d
+
+    # A read-only dict view, so code written against the dict the integrations' metadata carries
+    # (`stats["ttft_s"]`, `dict(stats)`) works on the object too.
+    def keys(self) -> list[str]:
+        return list(self.as_dict())
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self.keys() else default
 
     def summary(self) -> str:
         return (

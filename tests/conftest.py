@@ -25,9 +25,11 @@ def shipped_defaults(monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def kvrag_home(tmp_path_factory):
-    """One $KVRAG_HOME per test session for every test (the converted model and gate verdicts land there, never in ~/.kvrag)."""
+    """One $KVRAG_HOME per test session for every test (gate verdicts land there, never in ~/.kvrag), and one
+    model cache (the converted model), which the homes of subprocess tests share as users' homes do."""
     home = os.environ.get("KVRAG_TEST_HOME") or str(tmp_path_factory.mktemp("kvrag_home"))
     os.environ["KVRAG_HOME"] = home
+    os.environ["KVRAG_MODEL_CACHE"] = os.environ.get("KVRAG_TEST_MODEL_CACHE") or str(Path(home) / "models")
     return Path(home)
 
 

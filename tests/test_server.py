@@ -379,7 +379,10 @@ def test_serve_parser_defaults_and_help(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--help"])
     out = capsys.readouterr().out
-    assert "(default: 8600)" in out and "example:" in out and "kvrag serve --store redis://" in out
+    assert "(default: 8600)" in out and "examples:" in out and "kvrag serve --store redis://" in out
+    assert settings.retrieval and settings.top_k == 5
+    off = settings_from_args(parser.parse_args(["serve", "--no-retrieval", "--top-k", "3"]))
+    assert not off.retrieval and off.top_k == 3
 
 
 def test_non_loopback_bind_warns_about_authentication(rag, monkeypatch, capsys):

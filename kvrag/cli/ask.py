@@ -56,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    common.require_index(args)  # before torch or a model loads: with nothing ingested this fails in a second
     from kvrag.methods.snapkv import SnapKV
     from kvrag.eval.runner import parse_method
 

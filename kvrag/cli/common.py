@@ -29,6 +29,19 @@ def add_server_option(p: argparse.ArgumentParser) -> None:
                    help="URL of a running `kvrag serve` (default: $KVRAG_SERVER): no model is loaded here")
 
 
+NOTHING_INGESTED = "nothing has been ingested yet: run `kvrag ingest PATH...` first"
+
+
+def require_index(args: argparse.Namespace) -> None:
+    """Fail at once when the index is empty, before a model is loaded or converted (seconds, or a
+    517 MB write on a first run) only to find nothing to answer from."""
+    from kvrag.defaults import kvrag_home
+    from kvrag.ingest.retrieval import indexed_count
+
+    if indexed_count(kvrag_home() / "chroma", args.collection) == 0:
+        raise KVRagError(f"{NOTHING_INGESTED} (the index under {kvrag_home() / 'chroma'} is empty)")
+
+
 def open_engine(args: argparse.Namespace):
     from kvrag.defaults import kvrag_home
     from kvrag.engine import KVRag
@@ -50,5 +63,5 @@ def open_index(args: argparse.Namespace):
 def retrieve(index, question: str, k: int):
     chunks = index.query(question, k=k)
     if not chunks:
-        raise KVRagError("nothing has been ingested yet: run `kvrag ingest PATH...` first")
+        raise KVRagError(NOTHING_INGESTED)
     return chunks

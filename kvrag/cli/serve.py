@@ -8,8 +8,10 @@ import os
 from kvrag.cli.args import HelpFormatter, link_adapter_arg, ratio_or_auto
 from kvrag.server.settings import ServerSettings
 
-EPILOG = """example:
+EPILOG = """examples:
   kvrag serve --store redis://127.0.0.1:6379/0 --max-queue 32
+  curl http://127.0.0.1:8600/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "kvrag", "messages": [{"role": "user", "content": "When did the Brannoch Line open?"}]}'
   curl http://127.0.0.1:8600/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "kvrag", "messages": [{"role": "user", "content": "When did the Brannoch Line open?"}],
          "kvrag": {"chunk_ids": ["doc-1", "doc-7"], "method": "a3", "recompute_ratio": 0.15}}'
@@ -43,6 +45,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                                       "kvlink over a tuned model, else cacheblend)")
     p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
+    p.add_argument("--no-retrieval", dest="retrieval", action="store_false", default=d.retrieval,
+                   help="answer chat requests that bring no kvrag context as plain chat (default: from the top-k chunks of "
+                        "the index `kvrag ingest` fills, named in the response's kvrag_sources)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="chunks retrieved for a request that brings none")
+    p.add_argument("--collection", default=d.collection, help="chroma collection under $KVRAG_HOME/chroma to retrieve from")
     p.add_argument("--accept-any-model", action="store_true", default=d.accept_any_model,
                    help='answer whatever `model` a chat request names (default: only the served model or "kvrag"; others get 404 model_not_found)')
     p.set_defaults(func=cmd_serve)
@@ -66,6 +73,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         recompute_ratio=args.recompute_ratio,
         max_new_tokens=args.max_new_tokens,
         accept_any_model=args.accept_any_model,
+        retrieval=args.retrieval,
+        top_k=args.top_k,
+        collection=args.collection,
     )
 
 

@@ -19,7 +19,7 @@ from kvrag.types import Chunk
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-__all__ = ["ChunkIndex", "embedding_function"]
+__all__ = ["ChunkIndex", "embedding_function", "indexed_count"]
 
 # Key under which a chunk's title is kept in Chroma metadata; the rest of the metadata is the
 # chunk's own (simple values only, since Chroma stores nothing else).
@@ -67,6 +67,21 @@ def _to_chunk(id_: str, document: str | None, metadata: Mapping[str, Any] | None
     meta = dict(metadata or {})
     title = meta.pop(_TITLE_KEY, "")
     return Chunk(id=id_, text=document or "", title=str(title or ""), metadata=meta)
+
+
+def indexed_count(path: str | os.PathLike[str], collection: str = "kvrag_chunks") -> int:
+    """How many chunks the index at `path` holds, read without loading the embedding model or creating
+    anything (0 when there is no index there): commands check it before they load a model."""
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.isfile(os.path.join(path, "chroma.sqlite3")):
+        return 0
+    import chromadb
+
+    client = chromadb.PersistentClient(path=path, settings=chromadb.Settings(anonymized_telemetry=False))
+    try:
+        return client.get_collection(collection).count()
+    except Exception:  # no such collection (chromadb's NotFoundError; a ValueError in older versions)
+        return 0
 
 
 class ChunkIndex:

@@ -208,6 +208,34 @@ class ChunkRegistry:
         except Exception:  # a store kind store_admin does not manage
             return None
 
+    def _index_size(self, admin: object, stop: int) -> int | None:
+        """Ids in the store's node-id index, counted without reading them (disk: up to `stop`); None
+        for a kind whose index cannot be counted so."""
+        kind = getattr(admin, "kind", "")
+        if kind == "redis":
+            return int(admin.client.hlen(admin.rs._INDEX))  # type: ignore[attr-defined]
+        if kind == "disk":
+            return _count_files(Path(admin.store.root) / "index", ".ref", stop)  # type: ignore[attr-defined]
+        if kind == "memory":
+            return 0  # read whole below: cheap
+        return None
+
+    def store_index_size(self, limit: int = 100_000) -> int | None:
+        """How many ids the store's node-id index holds (every id any replica registered, for any model
+        sharing the store): what `/health` reports. None where that is not cheap to count (more than
+        `limit` on disk, a store kind without such an index) or the store fails."""
+        admin = self._index_admin()
+        if admin is None:
+            return None
+        try:
+            n = self._index_size(admin, limit + 1)
+            if getattr(admin, "kind", "") == "memory":
+                n = len(admin.links())  # type: ignore[attr-defined]
+        except Exception as exc:  # a store fault never fails a health check
+            log.warning("could not count the store's node-id index (%s)", exc)
+            return None
+        return None if n is None or n > limit else n
+
     def _index_links(self) -> list | None:
         """Every link in the store's node-id index, where reading them all is cheap: a memory index,
         or a disk or Redis one holding at most SHARE_SCAN_LIMIT ids (counted without reading them).
@@ -216,15 +244,8 @@ class ChunkRegistry:
         if admin is None:
             return None
         try:
-            kind = getattr(admin, "kind", "")
-            store = getattr(admin, "store", None)
-            if kind == "redis":
-                n = int(admin.client.hlen(admin.rs._INDEX))  # type: ignore[attr-defined]
-            elif kind == "disk":
-                n = _count_files(Path(store.root) / "index", ".ref", SHARE_SCAN_LIMIT + 1)  # type: ignore[union-attr]
-            elif kind == "memory":
-                n = 0
-            else:
+            n = self._index_size(admin, SHARE_SCAN_LIMIT + 1)
+            if n is None:
                 return None
             return admin.links() if n <= SHARE_SCAN_LIMIT else None  # type: ignore[attr-defined]
         except Exception as exc:  # a store fault never fails a request

@@ -74,7 +74,7 @@ class LoadedModel:
         return min(limit for limit, _ in context_limits(self.model).values())
 
 
-from kvrag.defaults import kvrag_home  # noqa: E402,F401 (re-exported)
+from kvrag.defaults import kvrag_home, model_cache_dir  # noqa: E402,F401 (kvrag_home re-exported)
 
 
 def bundled_gguf_path() -> Path:
@@ -129,10 +129,16 @@ def _file_digest(path: Path, limit: int | None = None) -> str:
 
 
 def _converted_gguf_dir(gguf: Path) -> Path:
-    """A safetensors copy of a GGUF model: de-quantising GGUF takes ~20 s, loading the copy < 1 s."""
+    """A safetensors copy of a GGUF model (de-quantising GGUF takes ~20 s, loading the copy < 1 s), in
+    the user's model cache shared by every $KVRAG_HOME, keyed by the source file's hash (its first
+    16 MiB and its size): the same file anywhere, or a copy of it, finds the same converted weights."""
     st = gguf.stat()
     key = hashlib.sha256(f"{_file_digest(gguf, 1 << 24)}:{st.st_size}".encode()).hexdigest()[:24]
-    return kvrag_home() / "models" / f"gguf-{key}"
+    shared = model_cache_dir() / f"gguf-{key}"
+    legacy = kvrag_home() / "models" / f"gguf-{key}"  # where kvrag kept it before the shared cache
+    if not (shared / "config.json").exists() and (legacy / "config.json").exists():
+        return legacy
+    return shared
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype, convert_cache: bool) -> tuple[Any, Any]:

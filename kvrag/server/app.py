@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -20,13 +21,15 @@ from kvrag.server.state import ServerState
 from kvrag.version import __version__
 
 
-def create_app(rag: KVRag, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `rag`: OpenAI-compatible chat, chunk ingest/delete, health and metrics."""
+def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = None) -> FastAPI:
+    """An app serving `rag`: OpenAI-compatible chat, chunk ingest/delete, health and metrics. `index`
+    (a kvrag.ingest.retrieval.ChunkIndex) is what chat requests without their own chunks retrieve from,
+    and what `POST /v1/chunks` adds to; None: no server-side retrieval."""
     settings = settings or ServerSettings()
     gate = RequestGate(settings.max_concurrency, settings.max_queue)
     metrics = ServerMetrics(gate)
     app = FastAPI(title="kvrag", version=__version__, description="RAG answers from cached per-chunk KV, OpenAI-compatible.")
-    app.state.kvrag = ServerState(rag=rag, settings=settings, gate=gate, metrics=metrics)
+    app.state.kvrag = ServerState(rag=rag, settings=settings, gate=gate, metrics=metrics, index=index)
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(chunks.router)
@@ -43,7 +46,7 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None) -> FastAPI:
             "store": state.store_kind,  # the kind only: no path, host or credentials
             "uptime_s": round(time.time() - state.started, 3),
             "queue": state.gate.as_dict(),
-            "chunks_registered": len(state.rag.repo.chunks),
+            "chunks": await anyio.to_thread.run_sync(chunk_counts, state),  # not the model's thread: health answers during answers
         }
 
     @app.get("/metrics")
@@ -59,3 +62,14 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": int(state.started), "owned_by": "kvrag"} for n in names]}
 
     return app
+
+
+def chunk_counts(state: ServerState) -> dict[str, int | None]:
+    """What `/health` says of the chunks: `retrievable`, in the server's retrieval index (null: retrieval
+    off); `ids_in_store`, ids the store's node-id index answers (any replica's, any model's sharing the
+    store; null where not cheap to count); `registered_here`, ids this process has seen."""
+    return {
+        "retrievable": len(state.index) if state.index is not None else None,
+        "ids_in_store": state.rag.repo.store_index_size(),
+        "registered_here": len(state.rag.repo.chunks),
+    }

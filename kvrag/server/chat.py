@@ -1,8 +1,12 @@
 """`POST /v1/chat/completions`: OpenAI's chat completion, answered by the engine.
 
 With `kvrag.chunk_ids` / `kvrag.chunks` the last user message is answered from those chunks' cached
-KV; without, the messages become one prompt for `KVRag.complete` (plain chat). The engine's stats
-ride along as `kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`.
+KV. Without them (what any OpenAI client sends) the server retrieves: the top-k chunks of its own
+index (the one `kvrag ingest` and `POST /v1/chunks` fill) answer the last user message, and the
+response names them in `kvrag_sources` (and the `X-KVRag-Sources` header: their ids). With retrieval
+off (`kvrag serve --no-retrieval`, or `"kvrag": {"retrieve": false}`), or nothing indexed, the
+messages become one prompt for `KVRag.complete` (plain chat). The engine's stats ride along as
+`kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -18,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvrag.kv.registry import request_scoped_chunks
 from kvrag.pipeline import AnswerStream
-from kvrag.server.errors import as_api_error, error_body, log
+from kvrag.server.errors import APIError, as_api_error, error_body, log
 from kvrag.server.gate import Slot
 from kvrag.server.prompt import chat_prompt, question_of
 from kvrag.server.schemas import (
@@ -29,6 +34,7 @@ from kvrag.server.schemas import (
     check_supported,
     check_token_count,
     message_texts,
+    KVRagContext,
 )
 from kvrag.server.state import ServerState, admit, client_gone, in_thread, pieces_async
 from kvrag.types import AnswerStats
@@ -45,7 +51,16 @@ def _finish_reason(stats: AnswerStats, max_new: int) -> str:
     return "length" if stats.generated_tokens >= max_new else "stop"
 
 
-def _starter(state: ServerState, req: ChatRequest) -> Callable[[], AnswerStream]:
+@dataclass
+class Started:
+    """A prefilled answer, and the chunks the server retrieved for it (None: it retrieved nothing because
+    the request brought its own context, or asked for plain chat)."""
+
+    stream: AnswerStream
+    sources: list[dict[str, Any]] | None = None
+
+
+def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     """The engine call that prefills this request (run later, in a worker thread, holding a slot).
 
     It first checks the request's text against the token limit: every message and every chunk's
@@ -65,24 +80,50 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], AnswerStream]
         chunks = [c.to_chunk() for c in ctx.chunks] if ctx.chunks is not None else None
         texts = message_texts(req.messages) + [t for c in ctx.chunks or () for t in c.texts()]
 
-        def start() -> AnswerStream:
+        def start() -> Started:
             check_token_count(state.count_tokens(texts), settings)
             with request_scoped_chunks():
-                return rag.stream(question, ctx.chunk_ids, chunks=chunks, options=opts)
+                return Started(rag.stream(question, ctx.chunk_ids, chunks=chunks, options=opts))
 
         return start
     prompt = chat_prompt(req.messages)
+    retrieve = _retrieval(state, req)
 
-    def start_plain() -> AnswerStream:
+    def start_plain() -> Started:
         check_token_count(state.count_tokens([prompt]), settings)  # every message, as the engine reads them
+        found = retrieve() if retrieve is not None else None
         with request_scoped_chunks():
-            return rag.complete(prompt, options=opts)
+            if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
+                return Started(rag.stream(question_of(req.messages), chunks=found, options=opts), [c.as_source() for c in found])
+            return Started(rag.complete(prompt, options=opts), None if found is None else [])
 
     return start_plain
 
 
-def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerStats, max_new: int) -> dict[str, Any]:
-    return {
+def _retrieval(state: ServerState, req: ChatRequest) -> Callable[[], list] | None:
+    """How a request without its own context finds its chunks: the top-k of the server's index for its
+    last user message; None for plain chat (retrieval off for the server or the request, or no user
+    message to retrieve for). A request asking for retrieval from a server without an index is a 400."""
+    ctx = req.kvrag or KVRagContext()
+    wanted = state.settings.retrieval if ctx.retrieve is None else ctx.retrieve
+    if not wanted:
+        return None
+    if state.index is None:
+        if ctx.retrieve:
+            raise APIError(400, "this server has no retrieval index (started with --no-retrieval): send kvrag.chunk_ids or "
+                                "kvrag.chunks with the request", "no_retrieval_index", param="kvrag.retrieve")
+        return None
+    try:
+        question = question_of(req.messages)
+    except ValueError:  # no user message: nothing to retrieve for
+        return None
+    k = min(ctx.top_k or state.settings.top_k, state.settings.max_chunks)
+    return lambda: state.index.query(question, k=k)
+
+
+def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerStats, max_new: int,
+                sources: list[dict[str, Any]] | None) -> dict[str, Any]:
+    out = {
         "id": req_id,
         "object": "chat.completion",
         "created": created,
@@ -91,6 +132,24 @@ def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerS
         "usage": _usage(stats),
         "kvrag_stats": stats.as_dict(),
     }
+    if sources is not None:
+        out["kvrag_sources"] = sources
+    return out
+
+
+SOURCES_HEADER = "X-KVRag-Sources"
+HEADER_LIMIT = 4096  # bytes of the header's JSON; beyond, it names the first ids that fit (the body has them all)
+
+
+def _source_headers(sources: list[dict[str, Any]] | None) -> dict[str, str]:
+    """The retrieved chunks' ids as a header (JSON, ASCII-escaped): where a client shows headers but not
+    the body's extra fields (LangChain's `ChatOpenAI(include_response_headers=True)`)."""
+    if sources is None:
+        return {}
+    ids = [s["id"] for s in sources]
+    while ids and len(json.dumps(ids)) > HEADER_LIMIT:
+        ids.pop()
+    return {SOURCES_HEADER: json.dumps(ids)}
 
 
 def _sse(obj: Any) -> str:
@@ -126,18 +185,19 @@ class _StreamingAnswer(StreamingResponse):
             self._finish()
 
 
-async def _events(state: ServerState, stream: AnswerStream, finish: _Finish, req_id: str, created: int, max_new: int) -> AsyncIterator[str]:
+async def _events(state: ServerState, started: Started, finish: _Finish, req_id: str, created: int, max_new: int) -> AsyncIterator[str]:
     """OpenAI's chunk stream. The slot is released in `finally` (and by `_StreamingAnswer`): when the
     client disconnects, the server cancels the body and the next request starts (after at most one
     more token)."""
-    model = state.model_name
+    model, stream = state.model_name, started.stream
+    sources = {} if started.sources is None else {"kvrag_sources": started.sources}
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
 
     try:
-        yield _sse(chunk({"role": "assistant", "content": ""}))
+        yield _sse(chunk({"role": "assistant", "content": ""}, **sources))
         started = False
         async for piece in pieces_async(stream):
             if not started:  # the non-streaming answer is stripped; match it
@@ -146,7 +206,7 @@ async def _events(state: ServerState, stream: AnswerStream, finish: _Finish, req
             if piece:
                 yield _sse(chunk({"content": piece}))
         stats = stream.stats
-        yield _sse(chunk({}, _finish_reason(stats, max_new), usage=_usage(stats), kvrag_stats=stats.as_dict()))
+        yield _sse(chunk({}, _finish_reason(stats, max_new), usage=_usage(stats), kvrag_stats=stats.as_dict(), **sources))
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):  # the client hung up: stop after the token in flight
         state.metrics.abandoned.labels("decoding").inc()
@@ -170,10 +230,11 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
     if slot is None:
         return client_gone(state, "queued")
     try:
-        stream = await in_thread(start)
+        started = await in_thread(start)
     except BaseException as exc:
         slot.release()
         raise as_api_error(exc) if isinstance(exc, Exception) else exc
+    stream = started.stream
     if await request.is_disconnected():  # the client left during the prefill: decode nothing
         slot.release()
         state.metrics.observe_answer(stream.stats)
@@ -182,10 +243,10 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
     if req.stream:
         finish = _Finish(state, slot, stream)
         return _StreamingAnswer(
-            _events(state, stream, finish, req_id, created, max_new),
+            _events(state, started, finish, req_id, created, max_new),
             finish,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **_source_headers(started.sources)},
         )
     try:
         text = await _collect(stream, request, state)
@@ -194,7 +255,8 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
     finally:
         slot.release()
         state.metrics.observe_answer(stream.stats)
-    return JSONResponse(_completion(req_id, created, state.model_name, text.strip(), stream.stats, max_new))
+    return JSONResponse(_completion(req_id, created, state.model_name, text.strip(), stream.stats, max_new, started.sources),
+                        headers=_source_headers(started.sources))
 
 
 async def _collect(stream: AnswerStream, request: Request, state: ServerState) -> str:

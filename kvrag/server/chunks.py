@@ -36,17 +36,21 @@ class _AnyText(Convertor[str]):
 register_url_convertor("kvrag_chunk_id", _AnyText())
 
 
-def _report(report: Any) -> dict[str, Any]:
-    return {"chunks": report.chunks, "computed": report.computed, "already_cached": report.already_cached,
-            "tokens": report.tokens, "seconds": round(report.seconds, 4)}
+def _report(report: Any, indexed: int | None) -> dict[str, Any]:
+    out = {"chunks": report.chunks, "computed": report.computed, "already_cached": report.already_cached,
+           "tokens": report.tokens, "seconds": round(report.seconds, 4)}
+    if indexed is not None:
+        out["indexed"] = indexed  # added to (or changed in) the server's retrieval index
+    return out
 
 
 @router.post("/v1/chunks")
 async def ingest(body: IngestRequest, request: Request) -> Any:
     """Register the chunks by id and compute the KV of those not cached yet.
 
-    Response: `{"chunks": n, "computed": n, "already_cached": n, "tokens": n, "seconds": s}`
-    (`tokens`: of the chunks computed now). Every limit (chunk count, tokens of every title and text,
+    Response: `{"chunks": n, "computed": n, "already_cached": n, "tokens": n, "seconds": s, "indexed": n}`
+    (`tokens`: of the chunks computed now; `indexed`: added to or changed in the server's retrieval
+    index, present when the server retrieves). Every limit (chunk count, tokens of every title and text,
     each chunk fitting the model's context) is checked before anything is registered: a refused
     request leaves no chunk behind, here or in the store's id index. When the store did not keep
     the KV of some computed chunks (down, frozen, full), the answer is a 503 whose `error.not_stored`
@@ -65,18 +69,23 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
         check_token_count(state.count_tokens(texts), state.settings)
         resolved = rag.repo.resolve(chunks, memo=False)  # no text or no tokens: a 400, nothing registered
         check_fits(rag.lm, rag.layout, chunks, resolved.token_ids)  # too long for the context: a 400, likewise
-        return rag.precompute(chunks, progress=False)
+        report = rag.precompute(chunks, progress=False)
+        indexed = None
+        if state.index is not None:  # retrievable by chat requests without context, as `kvrag ingest` leaves them
+            missing = set(report.not_stored)  # as kvrag ingest: the index holds only chunks whose KV is stored
+            indexed = state.index.add([c for c in chunks if c.id not in missing], skip_unchanged=True)
+        return report, indexed
 
     slot = await admit(state, request)  # precompute runs the model: it waits its turn like an answer
     if slot is None:
         return client_gone(state, "queued")
     try:
-        report = await in_thread(run)
+        report, indexed = await in_thread(run)
     except Exception as exc:
         raise as_api_error(exc) from None
     finally:
         slot.release()
-    out = _report(report)
+    out = _report(report, indexed)
     state.metrics.precomputed.labels("computed").inc(out["computed"])
     state.metrics.precomputed.labels("already_cached").inc(out["already_cached"])
     if report.not_stored:
@@ -114,10 +123,23 @@ def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
 
 @router.delete("/v1/chunks/{chunk_id:kvrag_chunk_id}")
 async def delete_chunk(chunk_id: str, request: Request) -> dict[str, Any]:
-    """Forget a chunk: `{"id", "deleted": true, "kv_entries_removed": n, "kv_entries_kept": n, "unlinked": bool}`
-    (`kept`: entries another id still refers to); 404 if unknown."""
+    """Forget a chunk: `{"id", "deleted": true, "kv_entries_removed": n, "kv_entries_kept": n, "unlinked": bool,
+    "unindexed": bool}` (`kept`: entries another id still refers to; `unindexed`: removed from the
+    server's retrieval index, present when the server retrieves); 404 if unknown."""
     state: ServerState = request.app.state.kvrag
-    out = await in_thread(forget, state.rag, chunk_id)
+
+    def run() -> dict[str, Any] | None:
+        out = forget(state.rag, chunk_id)
+        if state.index is None:
+            return out
+        unindexed = bool(state.index.remove([chunk_id]))  # no longer retrieved for questions either
+        if out is None and unindexed:  # only the retrieval index knew it
+            out = {"id": chunk_id, "deleted": True, "kv_entries_removed": 0, "kv_entries_kept": 0, "unlinked": False}
+        if out is not None:
+            out["unindexed"] = unindexed
+        return out
+
+    out = await in_thread(run)
     if out is None:
         raise APIError(404, f"unknown chunk id {chunk_id!r}", "chunk_not_found")
     return out

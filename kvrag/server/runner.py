@@ -16,8 +16,9 @@ NO_AUTH_WARNING = (
 )
 
 
-def serve(settings: ServerSettings, rag=None) -> None:  # noqa: ANN001 (KVRag, imported lazily)
-    """Load the engine (unless one is given) and run uvicorn in this thread until Ctrl-C."""
+def serve(settings: ServerSettings, rag=None, index=None) -> None:  # noqa: ANN001 (KVRag, ChunkIndex: imported lazily)
+    """Load the engine (unless one is given) and the retrieval index (unless given or retrieval is
+    off), and run uvicorn in this thread until Ctrl-C."""
     import uvicorn
 
     from kvrag.server.app import create_app
@@ -30,10 +31,30 @@ def serve(settings: ServerSettings, rag=None) -> None:  # noqa: ANN001 (KVRag, i
         print(f"loading model ({settings.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
         rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device, link_adapter=settings.link_adapter)
         rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
-    app = create_app(rag, settings)
+    if index is None and settings.retrieval:
+        index = open_retrieval_index(settings)
+    app = create_app(rag, settings, index)
     print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)
     run_beside_home(uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                                   timeout_graceful_shutdown=5)))
+
+
+def open_retrieval_index(settings: ServerSettings):  # noqa: ANN201 (ChunkIndex)
+    """The index `kvrag ingest` fills ($KVRAG_HOME/chroma), with its embedding model loaded now rather
+    than on the first question; says on stderr what plain OpenAI requests will be answered from."""
+    from kvrag.defaults import kvrag_home
+    from kvrag.ingest.retrieval import ChunkIndex
+
+    index = ChunkIndex(kvrag_home() / "chroma", collection=settings.collection)
+    index.query("warm up", k=1)
+    n = len(index)
+    if n:
+        print(f"retrieval: requests without kvrag context are answered from the top {settings.top_k} of {n} chunks in "
+              f"{index.path} ({settings.collection}); --no-retrieval for plain chat", file=sys.stderr)
+    else:
+        print(f"retrieval: the index {index.path} ({settings.collection}) is empty, so requests without kvrag context are "
+              "answered as plain chat until chunks are ingested (`kvrag ingest PATH`, or POST /v1/chunks)", file=sys.stderr)
+    return index
 
 
 def run_beside_home(server) -> None:  # noqa: ANN001 (uvicorn.Server)

@@ -75,6 +75,9 @@ class KVRagContext(BaseModel):
     short_context: int | None = Field(default=None, ge=0, description="contexts of at most this many chunk tokens: Full Attention (0: off)")
     stop_at: Literal["none", "line", "sentence"] | None = None  # when the answer is complete (default: the server's)
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
+    retrieve: bool | None = Field(default=None, description="without chunk_ids/chunks: retrieve from the server's index "
+                                                           "(default: the server's setting), or false for plain chat")
+    top_k: int | None = Field(default=None, ge=1, description="chunks retrieved (default: the server's --top-k)")
 
     @property
     def has_context(self) -> bool:

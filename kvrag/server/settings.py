@@ -36,12 +36,19 @@ class ServerSettings:
     recompute_ratio: float = 0.15
     max_new_tokens: int = 64  # default max_tokens
     accept_any_model: bool = False  # True: a chat request may name any model; else only the served one or "kvrag" (404 model_not_found)
+    # a chat request with no kvrag context (what OpenAI clients send) is answered from the top_k chunks of the
+    # server's index ($KVRAG_HOME/chroma, `collection`: what `kvrag ingest` and POST /v1/chunks fill); False: plain chat
+    retrieval: bool = True
+    top_k: int = 5
+    collection: str = "kvrag_chunks"
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
         if self.max_queue < 0:
             raise ValueError("max_queue must be 0 or more")
+        if self.top_k < 1:
+            raise ValueError("top_k must be at least 1")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio}")
 

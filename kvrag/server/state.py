@@ -34,6 +34,7 @@ class ServerState:
     settings: ServerSettings
     gate: RequestGate
     metrics: ServerMetrics
+    index: Any = None  # the retrieval index (kvrag.ingest.retrieval.ChunkIndex); None: no server-side retrieval
     started: float = field(default_factory=time.time)
 
     @property
