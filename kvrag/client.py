@@ -51,12 +51,6 @@ def _message(exc: urllib.error.HTTPError) -> str:
         return str(exc.reason)
 
 
-def stats_from_dict(d: dict[str, Any]) -> AnswerStats:
-    """AnswerStats from the server's `kvrag_stats` (derived and unknown fields ignored)."""
-    known = AnswerStats.__dataclass_fields__
-    return AnswerStats(**{k: v for k, v in d.items() if k in known})
-
-
 def ask_via_server(
     url: str,
     question: str,
@@ -91,7 +85,7 @@ def ask_via_server(
     if ctx:
         body["kvrag"] = ctx
     out = _post(url, "/v1/chat/completions", body, timeout)
-    return out["choices"][0]["message"]["content"], stats_from_dict(out.get("kvrag_stats", {}))
+    return out["choices"][0]["message"]["content"], AnswerStats.from_dict(out.get("kvrag_stats", {}))
 
 
 def ingest_via_server(url: str, chunks: Iterable[Chunk], batch: int = 64, timeout: float = 600.0) -> dict[str, Any]:
@@ -175,7 +169,7 @@ class RemoteStream(AnswerStream):
                 if "error" in event:
                     raise ServerError(str(event["error"].get("message")))
                 if "kvrag_stats" in event:
-                    for k, v in stats_from_dict(event["kvrag_stats"]).__dict__.items():
+                    for k, v in AnswerStats.from_dict(event["kvrag_stats"]).__dict__.items():
                         setattr(self.stats, k, v)
                 piece = event["choices"][0]["delta"].get("content") if event.get("choices") else None
                 if piece:

@@ -73,6 +73,15 @@ class AnswerStats:
         d["decode_tokens_per_s"] = self.decode_tokens_per_s
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AnswerStats":
+        """Stats from their `as_dict()` form (a server's `kvrag_stats`, a message's metadata); keys it
+        does not know (computed ones, or a newer server's) are left out."""
+        from dataclasses import fields
+
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
     # A read-only dict view, so code written against the dict the integrations' metadata carries
     # (`stats["ttft_s"]`, `dict(stats)`) works on the object too.
     def keys(self) -> list[str]:

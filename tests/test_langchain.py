@@ -314,3 +314,22 @@ def test_chain_over_chroma_on_smollm(smollm, tmp_path) -> None:
     second = chain.invoke("In which city is the Eiffel Tower?")
     assert second["stats"]["cache_hits"] == 2 and second["stats"]["chunk_prefill_tokens"] == 0
     assert "".join(chain.stream("In which city is the Eiffel Tower?")).strip() == second["answer"]
+
+
+def test_both_integrations_expose_the_same_stats_object():
+    """ChatKVRag.last_stats and KVRagLLM.last_stats are one type (AnswerStats: .summary(), .as_dict(),
+    and a dict view); the chain's return_sources stats is that object too (issue #38)."""
+    from kvrag.integrations.llama_index import KVRagLLM
+    from kvrag.types import AnswerStats
+
+    rag = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://")
+    chat = ChatKVRag(rag=rag, max_new_tokens=3)
+    msg = chat.invoke(Q, documents=DOCS)
+    li = KVRagLLM(rag=rag, max_new_tokens=3)
+    li.complete("Hello")
+    for stats in (chat.last_stats, li.last_stats):
+        assert type(stats) is AnswerStats and stats.summary().startswith("method=")
+        assert dict(stats) == stats.as_dict() and stats["method"] == stats.method
+    assert chat.last_stats.as_dict() == msg.response_metadata["stats"]  # the message's dict is the same stats
+    out = create_kvrag_chain(FixedRetriever(documents=DOCS), chat, return_sources=True).invoke(Q)
+    assert type(out["stats"]) is AnswerStats and out["stats"]["cache_hits"] == len(DOCS)

@@ -60,6 +60,10 @@ def test_cli_ingest_then_ask(tmp_path, kvrag_home, capsys):
     assert list(by_id) == result["chunk_ids"]
     eiffel = next(s for s in result["sources"] if "Eiffel" in s["text"])
     assert eiffel["title"] == "Eiffel Tower" and eiffel["source"].endswith("eiffel.md") and "1889" in eiffel["text"]
+    # --sources: the same, after the plain answer (title, file, id, first line)
+    assert main(["ask", "--store", store, "--collection", "cli_test", "-k", "2", "--sources", "In which city is the Eiffel Tower?"]) == 0
+    answer, listing = capsys.readouterr().out.split("sources:\n")
+    assert "Paris" in answer and "'Eiffel Tower' (" in listing and "eiffel.md) id=" in listing and f"id={eiffel['id']}" in listing
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path, kvrag_home, capsys):

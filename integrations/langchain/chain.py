@@ -20,6 +20,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import patch_config
 
 from kvrag.chat import text_of
+from kvrag.types import AnswerStats
 
 from .chat_model import ChatKVRag, documents_to_chunks
 
@@ -76,7 +77,8 @@ class KVRagChain(Runnable[ChainInput, Any]):
         answer = text_of(message.content)
         if not self.return_sources:
             return answer
-        return {"answer": answer, "documents": documents, "stats": message.response_metadata.get("stats", {})}
+        # the stats object both integrations give (KVRagLLM.last_stats, ChatKVRag.last_stats): .summary(), and a dict view
+        return {"answer": answer, "documents": documents, "stats": AnswerStats.from_dict(message.response_metadata.get("stats", {}))}
 
     # -- sync -------------------------------------------------------------------------------------
     def invoke(self, input: ChainInput, config: RunnableConfig | None = None, **kwargs: Any) -> Any:

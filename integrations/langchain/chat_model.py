@@ -95,6 +95,7 @@ class ChatKVRag(BaseChatModel):
 
     _rag: KVRag | None = PrivateAttr(default=None)
     _rag_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _last_stats: AnswerStats | None = PrivateAttr(default=None)
 
     def __init__(self, *, rag: KVRag | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -188,7 +189,15 @@ class ChatKVRag(BaseChatModel):
             if piece:
                 yield piece
 
+    @property
+    def last_stats(self) -> AnswerStats | None:
+        """Stats of the last answer (path, ttft, cache hits, recomputed tokens...), the object
+        `KVRagLLM.last_stats` gives too: `.summary()`, `.as_dict()`, and `stats["ttft_s"]`. Each
+        message also carries them as a dict, `response_metadata["stats"]` (what concurrent calls should read)."""
+        return self._last_stats
+
     def _metadata(self, stats: AnswerStats) -> dict[str, Any]:
+        self._last_stats = stats
         return {"model_name": self.model_label, "stats": stats.as_dict()}
 
     def _generate(

@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens the answer may have")
     ask.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the same answer every time); above 0: sampled")
-    ask.add_argument("--json", action="store_true", help="print answer and stats as one JSON object")
+    ask.add_argument("--json", action="store_true", help="print answer, sources and stats as one JSON object")
+    ask.add_argument("--sources", action="store_true", help="after the answer, list the chunks it read: title, file, id, first line")
     ask.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. update=fusion")
     ask.add_argument("--evict-budget", type=int, default=None, help="SnapKV: chunk tokens kept per layer/head after the first token")
 
@@ -99,13 +100,27 @@ def cmd_ask(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if args.sources:
+        print(source_lines(chunks))
     print(stream.stats.summary(), file=sys.stderr)
     return 0
 
 
 def sources(chunks: Sequence[Chunk]) -> list[dict[str, Any]]:
     """What an answer read, for `--json`: each retrieved chunk's id, title, source file and text."""
-    return [{"id": c.id, "title": c.title, "source": c.metadata.get("source", ""), "text": c.text} for c in chunks]
+    return [c.as_source(text=True) for c in chunks]
+
+
+def source_lines(chunks: Sequence[Chunk], width: int = 100) -> str:
+    """What an answer read, for `--sources`: one numbered line per chunk (title, file, id) and the first
+    line of its text."""
+    out = ["sources:"]
+    for i, c in enumerate(chunks, 1):
+        where = " ".join(p for p in (c.title and f"{c.title!r}", c.metadata.get("source") and f"({c.metadata['source']})") if p)
+        first = next((ln.strip() for ln in c.text.splitlines() if ln.strip()), "")
+        out.append(f"  [{i}] {where + ' ' if where else ''}id={c.id}")
+        out.append(f"      {first if len(first) <= width else first[: width - 3] + '...'}")
+    return "\n".join(out)
 
 
 def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
@@ -120,6 +135,8 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
         print(json.dumps({"answer": text, "chunk_ids": [c.id for c in chunks], "sources": sources(chunks), "stats": stats.as_dict()}))
     else:
         print(text)
+        if args.sources:
+            print(source_lines(chunks))
         print(stats.summary(), file=sys.stderr)
     return 0
 
