@@ -1,11 +1,12 @@
-"""The README's ```python blocks run as written.
+"""The README's ```python blocks run as written, and print right answers.
 
-Every block runs in a fresh namespace, in order, with two substitutions so the suite stays fast and
-offline: `KVRag.from_pretrained` returns an engine on a tiny random Llama (tests/tiny.py) over a
-memory store instead of loading the bundled SmolLM2, and $KVRAG_HOME is a temporary folder whose
-retrieval index holds the bundled sample corpus (what `kvrag ingest` would have put there). What a
-block prints is not checked (a random model's answers), only that it runs. A block preceded by
-`<!-- test: skip (reason) -->` is skipped with that reason.
+Every block runs in a fresh namespace, in order, with $KVRAG_HOME a temporary folder whose retrieval
+index holds the bundled sample corpus (what `kvrag ingest` would have put there). Twice:
+- fast, with `KVRag.from_pretrained` returning an engine on a tiny random Llama (tests/tiny.py) over a
+  memory store: the block runs (a random model's answers are not checked);
+- on the bundled SmolLM2 with the shipped defaults, as a newcomer runs it: what the block prints
+  holds every fact its marker names, `<!-- test: prints "1893", "Isobel Carrick" -->` on the line
+  above the block (every block has one, or `<!-- test: skip (reason) -->`, which skips it).
 """
 
 from __future__ import annotations
@@ -18,31 +19,47 @@ import pytest
 README = Path(__file__).resolve().parent.parent / "README.md"
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _SKIP = re.compile(r"<!--\s*test:\s*skip\s*(?:\((?P<reason>[^)]*)\))?\s*-->")
+_PRINTS = re.compile(r"<!--\s*test:\s*prints\s+(?P<facts>.*?)\s*-->")
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
     """(line number, code, skip reason or None) of each ```python block."""
+    return [(line, code, reason) for line, code, reason, _ in marked_blocks(text)]
+
+
+def marked_blocks(text: str) -> list[tuple[int, str, str | None, list[str]]]:
+    """(line number, code, skip reason or None, facts it must print) of each ```python block."""
     out = []
     for m in _BLOCK.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         before = [ln for ln in text[: m.start()].splitlines() if ln.strip()]
         skip = _SKIP.search(before[-1]) if before else None
+        prints = _PRINTS.search(before[-1]) if before else None
         reason = None
         if skip:
             reason = (skip.group("reason") or "").strip()
             if not reason:
                 raise AssertionError(f"README.md:{line}: a skipped block needs a reason: <!-- test: skip (why) -->")
-        out.append((line, m.group(1), reason))
+        facts = re.findall(r'"([^"]+)"', prints.group("facts")) if prints else []
+        out.append((line, m.group(1), reason, facts))
     return out
 
 
-BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+MARKED = marked_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [(line, code, reason) for line, code, reason, _ in MARKED]
 
 
 def test_blocks_are_found_and_skips_are_few():
     assert len(BLOCKS) >= 3, "README's python blocks were not found: has the fence syntax changed?"
     skipped = [b for b in BLOCKS if b[2] is not None]
     assert len(skipped) <= 2, f"keep skipped README blocks few: {[(ln, r) for ln, _, r in skipped]}"
+
+
+def test_every_block_names_the_facts_it_prints():
+    unmarked = [line for line, _, reason, facts in MARKED if reason is None and not facts]
+    assert not unmarked, f"README.md blocks {unmarked}: put <!-- test: prints \"FACT\" --> on the line above each"
+    block = marked_blocks('<!-- test: prints "1893", "Isobel Carrick" -->\n```python\nprint(1)\n```\n')
+    assert block == [(2, "print(1)\n", None, ["1893", "Isobel Carrick"])]
 
 
 def test_skip_marker_parsing():
@@ -91,6 +108,21 @@ def test_readme_python_block_runs(line, code, skip, tiny_engines, capsys):
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
     assert tiny_engines, "the block was expected to build an engine (KVRag.from_pretrained)"
     capsys.readouterr()
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("line,code,skip,facts", MARKED, ids=[f"README.md:{b[0]}" for b in MARKED])
+def test_readme_python_block_prints_right_answers_on_the_bundled_model(line, code, skip, facts, readme_home,
+                                                                       monkeypatch, capsys, shipped_defaults):
+    """As a newcomer runs it: the bundled model, the default method and short-context policy, and the
+    disk store under $KVRAG_HOME; every fact the block's marker names is in what it prints."""
+    if skip is not None:
+        pytest.skip(skip)
+    monkeypatch.setenv("KVRAG_HOME", str(readme_home))
+    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+    printed = capsys.readouterr().out
+    missing = [f for f in facts if f not in printed]
+    assert not missing, f"README.md:{line} printed no {missing}:\n{printed}"
 
 
 def test_chunk_index_defaults_to_kvrag_home_and_expands_home(monkeypatch, tmp_path):
