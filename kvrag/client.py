@@ -82,8 +82,9 @@ def ask_via_server(
         ctx["recompute_ratio"] = recompute_ratio
     if params:
         ctx["params"] = dict(params)
-    if ctx:
-        body["kvrag"] = ctx
+    if chunk_ids is None and chunks is None:
+        ctx["retrieve"] = False  # none: plain chat, not the server's own retrieval
+    body["kvrag"] = ctx
     out = _post(url, "/v1/chat/completions", body, timeout)
     return out["choices"][0]["message"]["content"], AnswerStats.from_dict(out.get("kvrag_stats", {}))
 
@@ -145,6 +146,8 @@ def request_body(
         ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
     elif chunk_ids is not None:
         ctx["chunk_ids"] = list(chunk_ids)
+    else:
+        ctx["retrieve"] = False  # a ready-made prompt: plain chat, not the server's own retrieval
     body["kvrag"] = ctx
     return body
 

@@ -164,3 +164,17 @@ def test_chat_openai_answers_from_the_ingested_sample_with_its_sources(smollm, t
         assert "1893" in resp.message.content, resp.message.content
         named = [f"{s['title']} {s['source']}".lower() for s in resp.raw.kvrag_sources]
         assert any("brannoch" in n for n in named), named
+
+
+def test_kvrag_clients_without_chunks_still_ask_for_plain_chat(served):
+    """ChatKVRag(server=...) and KVRagLLM(server=...) send a ready-made prompt when they have no documents:
+    the server must read it as it is, not retrieve for it."""
+    from kvrag.client import ask_via_server, stream_via_server
+
+    live, http, _ = served
+    http.post("/v1/chunks", json={"chunks": chunk_json(FACTS)})
+    _, stats = ask_via_server(live.url, "When do owls hunt?", max_new_tokens=3)
+    assert stats.path == "plain"
+    stream = stream_via_server(live.url, "When do owls hunt?")
+    "".join(stream)
+    assert stream.stats.path == "plain"
