@@ -6,6 +6,7 @@ import socket
 import pytest
 
 from kvrag.cli.app import main
+from kvrag.types import Chunk
 
 
 def _closed_port() -> int:
@@ -28,6 +29,10 @@ def test_top_k_zero_is_refused_by_the_parser(capsys):
 
 @pytest.mark.smollm
 def test_parameters_without_a_method_are_checked_against_the_engines_default(tmp_path, capsys, smollm):
+    from kvrag.defaults import kvrag_home
+    from kvrag.ingest.retrieval import ChunkIndex
+
+    ChunkIndex(kvrag_home() / "chroma", collection="cli_params").add([Chunk("p", "Owls hunt at night.")])  # past the index check
     store = ["--store", f"disk://{tmp_path / 'kv'}", "--device", "cpu", "--collection", "cli_params"]
     assert main(["ask", "Why?", *store, "--param", "layr=2"]) == 2  # neither cacheblend nor kvlink (over a tuned adapter) has `layr`
     err = capsys.readouterr().err

@@ -57,27 +57,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    common.require_index(args)  # before torch or a model loads: with nothing ingested this fails in a second
-    from kvrag.methods.snapkv import SnapKV
-    from kvrag.eval.runner import parse_method
-
-    from kvrag.methods import get_method
-
-    _, params = parse_method("m:" + ",".join(args.param))
-
-    def check(method: str) -> None:  # a mistyped method or parameter is a one-line error, not a traceback
-        try:
-            get_method(method, **dict(params))
-        except TypeError as exc:
-            raise KVRagError(str(exc)) from None
-
     if args.method is not None:
-        check(args.method)  # before any work
+        check_method(args.method, method_params(args))  # a mistyped method or parameter: an error before anything loads
+    common.require_index(args)  # nothing ingested: an error before torch or a model loads (within a second)
+    params = method_params(args)
     if args.server:
         return _ask_via_server(args, dict(params))  # no method named: the server's, which checks the parameters
+    from kvrag.methods.snapkv import SnapKV
+
     rag, index = common.open_engine(args)
     if args.method is None:
-        check(rag.default_method)  # the parameters belong to the engine's default method
+        check_method(rag.default_method, params)  # the parameters belong to the engine's default method
     chunks = common.retrieve(index, args.question, args.top_k)
     stream = rag.stream(
         args.question,
@@ -104,6 +94,23 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print(source_lines(chunks))
     print(stream.stats.summary(), file=sys.stderr)
     return 0
+
+
+def method_params(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """--param K=V ... as (name, value) pairs, values parsed as numbers where they are."""
+    from kvrag.eval.runner import parse_method
+
+    return parse_method("m:" + ",".join(args.param))[1]
+
+
+def check_method(method: str, params: Sequence[tuple[str, Any]]) -> None:
+    """A mistyped method or parameter as a one-line error, not a traceback."""
+    from kvrag.methods import get_method
+
+    try:
+        get_method(method, **dict(params))
+    except TypeError as exc:
+        raise KVRagError(str(exc)) from None
 
 
 def sources(chunks: Sequence[Chunk]) -> list[dict[str, Any]]:
