@@ -49,6 +49,7 @@ def names_no_adapter(spec: object) -> bool:
     return spec is None or (isinstance(spec, str) and spec.lower() == "none")
 
 
+DECODE_WEIGHTS = ("model", "int8")  # what decode steps read: the model's own weights (default), or int8 (kvrag.decode.int8)
 LAYERWISE_CHOICES = ("auto", "on", "off", "both")  # `kvrag bench speed --layerwise`
 STALE_TEMP_S = 3600.0  # a disk writer's temp file older than this is abandoned (`kvrag store gc`)
 

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from kvrag.cache_backends import KVStore
 from kvrag.check.gate import gate
 from kvrag.core import KVRagCore
+from kvrag.decode.lean import use_decode_weights
 from kvrag.kv.layout import PromptLayout
 from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
 from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
@@ -52,6 +53,7 @@ class KVRag(KVRagCore):
         batch_size: int = 8,
         check: bool = True,
         link_adapter: str | Path | LinkAdapter | None = "auto",
+        decode_weights: str | None = None,
         **layout_kwargs: Any,
     ) -> None:
         """`check=True` runs the per-model correctness gate (`kvrag.check.checks.gate`) once per model
@@ -70,7 +72,13 @@ class KVRag(KVRagCore):
         An adapter with LoRA or full weights never changes what the other methods read: kvlink
         answers over a merged copy of the weights (its own fingerprint and chunk KV, `stats.weights
         == "adapter"`), every other method, Full Attention included, over the base weights; kvlink
-        is then the default method, since the caller asked for the adapter."""
+        is then the default method, since the caller asked for the adapter.
+
+        `decode_weights`: what the decode steps read after the first token, for every engine over this
+        model: "model" (its own weights: answers are the model's) or "int8" (on the CPU, ~1.5x the
+        tokens/s of the bundled model; the answers may part from the model's own after some tokens:
+        kvrag.decode.int8, `kvrag bench-decode`); None (default): as chosen before, else "model".
+        Prefill always reads the model's own weights. `stats.decode_weights` says what an answer used."""
         layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
         adapter = _choose_adapter(link_adapter, lm, layout)
         self._link_adapter = adapter
@@ -79,6 +87,9 @@ class KVRag(KVRagCore):
         self._fast: _AdapterPath | None = None
         if adapter is not None and adapter.changes_model:
             self._fast = _AdapterPath(apply_adapter(lm, adapter), self, adapter)
+        if decode_weights is not None:
+            for model in [lm.model] + ([self._fast.lm.model] if self._fast is not None else []):
+                use_decode_weights(model, decode_weights)
 
     @classmethod
     def from_pretrained(
@@ -89,6 +100,7 @@ class KVRag(KVRagCore):
         dtype: str = "auto",
         check: bool = True,
         link_adapter: str | Path | LinkAdapter | None = "auto",
+        decode_weights: str | None = None,
         **kwargs: Any,
     ) -> "KVRag":
         """Load a model (default: the bundled SmolLM2-135M-Instruct) and open a store (default: disk under $KVRAG_HOME).
@@ -96,10 +108,10 @@ class KVRag(KVRagCore):
         `device`: "auto" (CUDA when a GPU is there, else CPU), "cuda", "cuda:N" or "cpu". `dtype`:
         "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16" or "float32". Stored
         entries record their dtype and are cast to the engine's on load. `check=False` skips the
-        per-model correctness gate (see `KVRag.__init__`). `link_adapter`: see `KVRag.__init__`.
+        per-model correctness gate (see `KVRag.__init__`). `link_adapter`, `decode_weights`: see `KVRag.__init__`.
         """
         lm = load_model(model, device=device, dtype=dtype)
-        return cls(lm, store=store, check=check, link_adapter=link_adapter, **kwargs)
+        return cls(lm, store=store, check=check, link_adapter=link_adapter, decode_weights=decode_weights, **kwargs)
 
     @property
     def link_adapter(self) -> LinkAdapter | None:

@@ -257,4 +257,5 @@ class RequestPipeline:
             pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
             pre.stats.decode_s = clock(self.lm.device) - t
             pre.stats.decode_setup_s = state.setup_s
+            pre.stats.decode_weights = state.weights
             pre.stats.echoed_header = state.echoed.strip()

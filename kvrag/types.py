@@ -59,6 +59,7 @@ class AnswerStats:
     layer_load_s: float = 0.0
     load_wait_s: float = 0.0
     weights: str = "base"  # "base", or "adapter": a weight-changing link adapter served this answer (kvlink's fast path)
+    decode_weights: str = "model"  # what the decode steps read after the first token: "model" (its own weights) or "int8" (opt-in)
     full_reason: str = ""  # why a reuse method read the whole prompt with Full Attention (chunks within min_recompute), else ""
     echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
 

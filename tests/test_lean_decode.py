@@ -138,3 +138,70 @@ def test_the_decode_benchmark_reports_every_path_and_the_bound(rag):
     assert row["engine_same_tokens_as_growing"] is True and row["generate_same_tokens"] is True
     assert result["bound_tok_s"] > 0 and result["weights_bytes"] > 0
     assert "engine ÷ bound" in decode_markdown(result, {"command": "kvrag bench-decode"})
+
+
+# -- int8 decode weights (opt-in) ------------------------------------------------------------------------
+def int8_reference(model):
+    """A copy of `model` whose every linear a decode step reads is its own int8 version, unfused: the
+    stock forward over it is what the lean step's fused int8 linears must reproduce."""
+    import copy
+
+    from kvrag.decode.int8 import _quantized
+
+    ref = copy.deepcopy(model)
+    for layer in ref.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                setattr(parent, name, _quantized(getattr(parent, name)))
+    ref.lm_head = _quantized(ref.lm_head)
+    return ref
+
+
+def test_int8_lean_step_is_the_stock_forward_over_the_same_int8_weights(rag):
+    """q/k/v and gate/up fused into one int8 matrix each: exact (per-channel scales, int32 sums), so the
+    lean step over int8 weights gives the stock forward's logits over unfused int8 linears."""
+    from kvrag.decode.int8 import Int8Weights
+
+    model = rag.lm.model
+    bufs, n, position = buffers_of(rag)
+    stock = StaticStep(int8_reference(model), clone(bufs), rag.lm.dtype, rag.lm.device, lean=False)
+    lean = StaticStep(model, clone(bufs), rag.lm.dtype, rag.lm.device, lean=False)
+    lean.lean = LeanStep(model, Int8Weights(model))
+    for a, b in zip(run_steps(stock, n, position), run_steps(lean, n, position)):
+        assert torch.equal(a, b)
+    fp32 = StaticStep(model, clone(bufs), rag.lm.dtype, rag.lm.device, lean=True)
+    a, b = run_steps(fp32, n, position)[0], run_steps(lean, n, position)[0]
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.5)  # int8 is not the model's weights: close, not equal
+
+
+def test_an_engine_with_int8_decode_weights_says_so_and_keeps_its_first_token(rag):
+    from kvrag.decode.lean import use_decode_weights
+
+    model = rag.lm.model
+    base = rag.answer(THREE_Q, THREE_IDS, max_new_tokens=12)
+    try:
+        engine = KVRag(rag.lm, store=rag.store, check=False, decode_weights="int8")
+        out = engine.answer(THREE_Q, THREE_IDS, max_new_tokens=12)
+        assert out.stats.decode_weights == "int8" and lean_step(model).weights == "int8"
+        assert rag.answer(THREE_Q, THREE_IDS, max_new_tokens=12).stats.decode_weights == "int8"  # per model: every engine over it
+        first = rag.lm.tokenizer(out.text)["input_ids"][:1], rag.lm.tokenizer(base.text)["input_ids"][:1]
+        assert first[0] == first[1]  # the first token comes from the prefill, over the model's own weights
+    finally:
+        use_decode_weights(model, "model")
+    assert rag.answer(THREE_Q, THREE_IDS, max_new_tokens=12).stats.decode_weights == "model"
+    with pytest.raises(ValueError, match="decode_weights"):
+        use_decode_weights(model, "int4")
+
+
+@pytest.mark.smollm
+def test_the_bundled_model_answers_the_readme_question_with_int8_decode_weights(smollm):
+    from kvrag import Chunk
+    from kvrag.decode.lean import use_decode_weights
+
+    try:
+        rag = KVRag(smollm, store="memory://", check=False, decode_weights="int8")
+        rag.precompute([Chunk("a", "The Brannoch Line opened in 1893."), Chunk("b", "It ran from Kelvie to the coast.")], progress=False)
+        out = rag.answer("When did the Brannoch Line open?", chunk_ids=["a", "b"], max_new_tokens=24)
+        assert "1893" in out.text and out.stats.decode_weights == "int8"
+    finally:
+        use_decode_weights(smollm.model, "model")

@@ -73,6 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     dc.add_argument("--contexts", default="1024,4096", help="context lengths in tokens, comma-separated (default 1024,4096)")
     dc.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run (default 64)")
     dc.add_argument("--repeats", type=int, default=3, help="interleaved runs per path; medians are reported (default 3)")
+    dc.add_argument("--int8", action="store_true",
+                    help="also the int8 decode weights (CPU, opt-in): tokens/s, its bound, and its answers against the model's own")
     dc.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
     dc.add_argument("--device", default=None)
     dc.set_defaults(func=_run("cmd_bench_decode"))

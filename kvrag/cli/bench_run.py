@@ -204,7 +204,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
     contexts = [int(x) for x in args.contexts.split(",") if x]
     rag = KVRag.from_pretrained(args.model, store="memory://", device=args.device, link_adapter=BASE_WEIGHTS)
-    result = run_decode_bench(rag, contexts, new_tokens=args.new_tokens, repeats=args.repeats)
+    result = run_decode_bench(rag, contexts, new_tokens=args.new_tokens, repeats=args.repeats, int8=args.int8)
     hw = hardware()
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hw, "model": rag.lm.source,
             "hardware_line": f"{hw.get('cpu') or hw.get('machine')}, {hw.get('cores', '?')} cores; {hw['threads']} torch threads, torch {hw['torch']}"}

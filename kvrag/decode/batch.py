@@ -135,9 +135,10 @@ _LOCK = threading.Lock()
 
 
 def batcher_for(lm: Any, step: LeanStep) -> Batcher:
-    """The one batcher of this model (made at its first use)."""
+    """The one batcher of this model's step (made at its first use): one per model, and per decode
+    weights should they be changed (kvrag.decode.lean.use_decode_weights)."""
     with _LOCK:
-        b = _BATCHERS.get(lm.model)
+        b = _BATCHERS.get(step)
         if b is None:
-            b = _BATCHERS[lm.model] = Batcher(lm, step)
+            b = _BATCHERS[step] = Batcher(lm, step)
         return b

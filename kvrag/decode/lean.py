@@ -16,12 +16,16 @@ One step serves one or many sequences: tokens and positions are [B, 1], the KV b
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 
+from kvrag.decode.int8 import Int8Layer, Int8Weights, check_decode_weights, int8_available
+
+log = logging.getLogger(__name__)
 KV = tuple[torch.Tensor, torch.Tensor]
 
 # decoder layers whose forward is exactly: norm, attention (q/k/v projections, optional q/k norms
@@ -44,7 +48,8 @@ def lean_supported(model: Any) -> bool:
 class LeanStep:
     """`step(tokens, positions, buffers, slot, mask) -> logits [B, vocab]` for a supported model."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, int8: Int8Weights | None = None) -> None:
+        """`int8`: read these int8 linears instead of the model's own (kvrag.decode.int8, opt-in)."""
         if not lean_supported(model):
             raise ValueError(f"no lean decode step for {getattr(model.config, 'model_type', type(model).__name__)}")
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -55,6 +60,8 @@ class LeanStep:
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = model.lm_head
+        self.int8 = int8
+        self.weights = "int8" if int8 is not None else "model"
         module = sys.modules[type(self.layers[0].self_attn).__module__]
         self.apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = module.apply_rotary_pos_emb
         impl = model.config._attn_implementation
@@ -102,26 +109,37 @@ class LeanStep:
         the new K/V where the caller keeps them and returns the attention output [B, 1, heads, d]."""
         hidden = self.embed(tokens)
         cos, sin = self.rotary(hidden, position_ids=positions)
+        q8 = self.int8.layers if self.int8 is not None else None
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = layer.input_layernorm(hidden)
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, x, cos, sin)
-            out = attend(i, attn, q, k, v)
-            hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+            q, k, v = self._qkv(attn, x, cos, sin, q8[i] if q8 else None)
+            out = attend(i, attn, q, k, v).reshape(*x.shape[:-1], -1).contiguous()
+            hidden = residual + (q8[i].o(out) if q8 else attn.o_proj(out))
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.lm_head(self.norm(hidden)[:, -1, :])
+            x = layer.post_attention_layernorm(hidden)
+            if q8:
+                gate, up = q8[i].gate_up(x).chunk(2, dim=-1)
+                hidden = residual + q8[i].down(q8[i].act(gate) * up)
+            else:
+                hidden = residual + layer.mlp(x)
+        head = self.int8.lm_head if self.int8 is not None else self.lm_head
+        return head(self.norm(hidden)[:, -1, :])
 
-    def _qkv(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             q8: Int8Layer | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries and keys [B, heads, 1, d] and values, as the attention module's forward makes them."""
         shape = (*x.shape[:-1], -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape)
-        k = attn.k_proj(x).view(shape)
+        if q8 is not None:
+            q, k, v = q8.qkv(x).split(q8.sizes, dim=-1)
+            q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        else:
+            q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
         if getattr(attn, "q_norm", None) is not None:  # qwen3: RMSNorm over each head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        v = v.transpose(1, 2)
         q, k = self.apply_rotary(q, k, cos, sin)
         return q, k, v
 
@@ -136,14 +154,36 @@ def _write(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
         buf[rows, :, slot] = new[:, :, 0]
 
 
-_STEPS: "weakref.WeakKeyDictionary[Any, LeanStep]" = weakref.WeakKeyDictionary()
+_STEPS: "weakref.WeakKeyDictionary[Any, dict[str, LeanStep]]" = weakref.WeakKeyDictionary()
+_WEIGHTS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()  # model -> the decode weights chosen for it
 
 
-def lean_step(model: Any) -> LeanStep | None:
-    """The model's lean step (made once per model), or None if its architecture is not one it reproduces."""
+def use_decode_weights(model: Any, kind: str) -> str:
+    """Choose the weights every decode step of `model` reads: "model" (its own) or "int8"
+    (kvrag.decode.int8). Per model, as the batcher that steps its sequences together is: every engine
+    over these weights decodes alike. Returns what will be used: "model" where int8 is unavailable
+    (logged) or the model is not on the CPU or has no lean step."""
+    check_decode_weights(kind)
+    if kind == "int8":
+        why = ("this torch has no quantized CPU kernels" if not int8_available() else
+               "the model is not on the CPU" if next(model.parameters()).device.type != "cpu" else
+               "the model's architecture has no lean decode step" if not lean_supported(model) else "")
+        if why:
+            log.warning("int8 decode weights are not used: %s; decoding with the model's own weights", why)
+            kind = "model"
+    _WEIGHTS[model] = kind
+    lean_step(model)  # made now (int8: ~1 s of quantising), so no answer pays for it
+    return kind
+
+
+def lean_step(model: Any, weights: str | None = None) -> LeanStep | None:
+    """The model's lean step over `weights` (None: the decode weights chosen for it), made once per model
+    and kind; None if its architecture is not one it reproduces."""
     if not lean_supported(model):
         return None
-    step = _STEPS.get(model)
+    kind = weights or _WEIGHTS.get(model, "model")
+    steps = _STEPS.setdefault(model, {})
+    step = steps.get(kind)
     if step is None:
-        step = _STEPS[model] = LeanStep(model)
+        step = steps[kind] = LeanStep(model, Int8Weights(model) if kind == "int8" else None)
     return step

@@ -128,6 +128,11 @@ class StaticDecoder:
         self.setup_s = time.perf_counter() - t
 
     @property
+    def weights(self) -> str:
+        """What the steps read: "model" (its own weights) or "int8" (kvrag.decode.int8)."""
+        return self.step.lean.weights if self.step.lean is not None else "model"
+
+    @property
     def captured(self) -> bool:
         """Whether the steps replay a captured CUDA graph (tests read this)."""
         return self._graph is not None

@@ -193,12 +193,14 @@ class DecodeState:
     finish_reason: str = ""
     echoed: str = ""  # leading lines that only repeated a chunk header, left out of the answer
     setup_s: float = 0.0  # the static decoder's one-time set-up (room, graph capture), inside the decode time
+    weights: str = "model"  # what the decode steps read: the model's own weights, or "int8" (kvrag.decode.int8)
 
 
 class EagerStep:
     """The growing-cache forward: the new token's K/V appended to `cache` (a SpliceCache writes into its room)."""
 
     setup_s = 0.0  # nothing to set up: the cache grows as it goes
+    weights = "model"  # the stock forward: the model's own weights
 
     def __init__(self, lm: LoadedModel, cache: Any) -> None:
         self.lm, self.cache = lm, cache
@@ -259,6 +261,7 @@ def stream_tokens(
     finally:  # also when the stream is abandoned: the cache reads as decoded so far
         forward.close()
         state.setup_s = forward.step.setup_s if forward.step is not None else 0.0
+        state.weights = forward.step.weights if forward.step is not None else "model"
 
 
 class LazyStep:

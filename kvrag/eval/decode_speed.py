@@ -8,6 +8,11 @@ Decoding is most of an answer's time (issue #39). Per context length, in one run
 - the bound: the bytes of weights one step must read (every parameter; a tied embedding once, read
   whole as the output layer) over the machine's measured read bandwidth (a sum over 1 GiB).
 Tokens must match: the engine's two paths and `generate` decode the same greedy tokens.
+
+With `int8` (on the CPU): the engine's default step over int8 decode weights (kvrag.decode.int8, opt-in)
+in the same interleaved runs, its own bound (its bytes), whether its tokens are the model's and where
+they first part; and, since int8 may change answers, how close its answers are to the model's own on
+the bundled sample's questions in every phrasing (`int8_agreement`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvrag.decode.lean import lean_step, use_decode_weights
 from kvrag.decode.stream import DecodeConfig, DecodeState, stream_tokens
 from kvrag.types import Chunk
 
@@ -87,10 +93,29 @@ def _generate_decode(rag: Any, input_ids: torch.Tensor, new_tokens: int) -> tupl
     return (len(ids) - 1) / max(1e-9, many - one) if len(ids) > 1 else 0.0, ids
 
 
-def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeats: int = 3) -> dict[str, Any]:
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two decodes part (None: they are the same)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def int8_bytes(model: Any) -> int:
+    """Bytes one int8 decode step reads: its int8 linears and scales, plus the norms' weights."""
+    step = lean_step(model, "int8")
+    assert step is not None and step.int8 is not None
+    norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+    return step.int8.nbytes + norms
+
+
+def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeats: int = 3, int8: bool = False) -> dict[str, Any]:
     """Decode tokens/s per context length and path (medians of `repeats` interleaved runs), and the bound."""
     bandwidth = read_bandwidth()
     wbytes = weight_bytes(rag.lm.model)
+    model = rag.lm.model
+    int8 = int8 and use_decode_weights(model, "int8") == "int8"  # made now: no run pays for quantising
+    use_decode_weights(model, "model")
     question = "Which of these places opened first, and how many people came to see it?"
     rows = []
     for n in contexts:
@@ -98,11 +123,15 @@ def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeat
         rag.precompute(chunks, progress=False)
         chunk_ids = [rag.layout.chunk_ids(c) for c in chunks]
         prompt_ids = rag.layout.segments(chunk_ids, question).all_ids()  # what Full Attention reads
-        speeds: dict[str, list[float]] = {"growing": [], "engine": [], "generate": []}
+        speeds: dict[str, list[float]] = {"growing": [], "engine": [], "generate": [], **({"int8": []} if int8 else {})}
         tokens: dict[str, list[int]] = {}
         for _ in range(repeats):
-            for name, static in (("growing", False), ("engine", None)):
-                tps, ids = _engine_decode(rag, question, chunks, new_tokens, static)
+            for name, static in (("growing", False), ("engine", None)) + ((("int8", None),) if int8 else ()):
+                use_decode_weights(model, "int8" if name == "int8" else "model")
+                try:
+                    tps, ids = _engine_decode(rag, question, chunks, new_tokens, static)
+                finally:
+                    use_decode_weights(model, "model")
                 speeds[name].append(tps)
                 tokens[name] = ids
             if prompt_ids is not None:
@@ -115,10 +144,50 @@ def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeat
             row[f"{name}_tok_s"] = round(statistics.median(vals), 2) if vals else None
         row["engine_same_tokens_as_growing"] = tokens["engine"] == tokens["growing"]
         row["generate_same_tokens"] = tokens.get("generate") == tokens["engine"] if "generate" in tokens else None
+        if int8:
+            row["int8_first_difference"] = first_difference(tokens["int8"], tokens["engine"])
         rows.append(row)
     bound = bandwidth / wbytes
-    return {"weights_bytes": wbytes, "read_gb_s": round(bandwidth / 1e9, 1), "bound_tok_s": round(bound, 1),
-            "dtype": str(rag.lm.dtype).replace("torch.", ""), "repeats": repeats, "rows": rows}
+    out = {"weights_bytes": wbytes, "read_gb_s": round(bandwidth / 1e9, 1), "bound_tok_s": round(bound, 1),
+           "dtype": str(rag.lm.dtype).replace("torch.", ""), "repeats": repeats, "rows": rows}
+    if int8:
+        out["int8_weights_bytes"] = int8_bytes(model)
+        out["int8_bound_tok_s"] = round(bandwidth / out["int8_weights_bytes"], 1)
+        out["int8_agreement"] = int8_agreement(rag, new_tokens)
+    return out
+
+
+def int8_agreement(rag: Any, new_tokens: int = 64) -> dict[str, Any]:
+    """How close int8 decoding's answers are to the model's own: every bundled sample question in every
+    phrasing, read over the chunks of its own document with the engine's default method, answered to
+    `new_tokens` tokens (no stop rule: the longer the answer, the likelier int8 parts from it) with
+    each kind of decode weights."""
+    from kvrag.eval.metrics import contains
+    from kvrag.ingest.documents import load_documents
+    from kvrag.ingest.samples import sample_corpus_dir, sample_questions
+
+    docs = load_documents([sample_corpus_dir()])
+    rag.precompute(docs, progress=False)
+    rows = []
+    model = rag.lm.model
+    for q in sample_questions():
+        chunks = [c for c in docs if str(c.metadata.get("source", "")).endswith(q["file"])]
+        for question in [q["question"], *q.get("phrasings", [])]:
+            texts = {}
+            for kind in ("model", "int8"):
+                use_decode_weights(model, kind)
+                try:
+                    texts[kind] = rag.answer(question, chunks=chunks, max_new_tokens=new_tokens, stop_at="none").text
+                finally:
+                    use_decode_weights(model, "model")
+            rows.append({"question": question, "gold": q["answer"], "model": texts["model"], "int8": texts["int8"],
+                         "same": texts["model"] == texts["int8"],
+                         "model_contains": bool(contains(texts["model"], [q["answer"]])),
+                         "int8_contains": bool(contains(texts["int8"], [q["answer"]]))})
+    n = len(rows)
+    return {"questions": n, "new_tokens": new_tokens, "same_answer": sum(r["same"] for r in rows),
+            "model_contains": sum(r["model_contains"] for r in rows), "int8_contains": sum(r["int8_contains"] for r in rows),
+            "rows": rows}
 
 
 def decode_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -137,4 +206,24 @@ def decode_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
             f"| {r['context_tokens']} | {r['new_tokens']} | **{r['engine_tok_s']:.1f}** | {r['growing_tok_s']:.1f} | {gen} | "
             f"{100 * r['engine_tok_s'] / b:.0f}% | {r['engine_same_tokens_as_growing']}; {r['generate_same_tokens']} |"
         )
+    if "int8_bound_tok_s" in result:
+        b8, a = result["int8_bound_tok_s"], result["int8_agreement"]
+        lines += [
+            "", f"**int8 decode weights** (opt-in, `--decode-weights int8`): {result['int8_weights_bytes'] / 1e6:.0f} MB read per token, "
+            f"bound **{b8} tok/s**. Prefill (and the first token) read the model's own weights; the decode steps after it read int8.", "",
+            "| context tokens | int8 tok/s | × model's weights | int8 ÷ its bound | tokens the same as the model's |", "|---|---|---|---|---|",
+        ]
+        for r in result["rows"]:
+            d = r["int8_first_difference"]
+            same = "all" if d is None else f"first {d} of {r['new_tokens']}"
+            lines.append(f"| {r['context_tokens']} | **{r['int8_tok_s']:.1f}** | {r['int8_tok_s'] / r['engine_tok_s']:.2f}× | "
+                         f"{100 * r['int8_tok_s'] / b8:.0f}% | {same} |")
+        n = a["questions"]
+        lines += [
+            "", f"How close int8's answers are to the model's own: the bundled sample's {n} questions (every phrasing), each over its "
+            f"document's chunks with the default method, {a['new_tokens']} new tokens, no stop rule:", "",
+            "| decode weights | same answer as the model's | contains the gold answer |", "|---|---|---|",
+            f"| model (its own) | {n} of {n} | {a['model_contains']} of {n} |",
+            f"| int8 | **{a['same_answer']} of {n}** | {a['int8_contains']} of {n} |",
+        ]
     return "\n".join(lines) + "\n"

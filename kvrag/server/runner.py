@@ -29,7 +29,8 @@ def serve(settings: ServerSettings, rag=None, index=None) -> None:  # noqa: ANN0
         from kvrag.engine import KVRag
 
         print(f"loading model ({settings.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
-        rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device, link_adapter=settings.link_adapter)
+        rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device, link_adapter=settings.link_adapter,
+                                    decode_weights=settings.decode_weights)
         rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
     if index is None and settings.retrieval:
         index = open_retrieval_index(settings)

@@ -38,6 +38,7 @@ class ServerSettings:
     accept_any_model: bool = False  # True: a chat request may name any model; else only the served one or "kvrag" (404 model_not_found)
     # a chat request with no kvrag context (what OpenAI clients send) is answered from the top_k chunks of the
     # server's index ($KVRAG_HOME/chroma, `collection`: what `kvrag ingest` and POST /v1/chunks fill); False: plain chat
+    decode_weights: str | None = None  # KVRag(decode_weights=...): "model" (None: its own weights) or "int8" (CPU, opt-in)
     retrieval: bool = True
     top_k: int = 5
     collection: str = "kvrag_chunks"
