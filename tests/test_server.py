@@ -237,6 +237,9 @@ def test_health_and_metrics(http, live):
     assert m[("kvrag_bytes_loaded_total", ())] > 0
     assert ("kvrag_recomputed_tokens_total", ()) in m and ("kvrag_cache_misses_total", ()) in m
     assert m[("kvrag_queue_depth", ())] == 0
+    # the batched decoder's counts: the answers above decoded through it (issue #35)
+    assert m[("kvrag_decode_steps", ())] >= 1 and m[("kvrag_decode_rows", ())] >= m[("kvrag_decode_steps", ())]
+    assert m[("kvrag_decode_batch_largest", ())] >= 1
 
 
 def test_two_apps_in_one_process_have_their_own_metrics(rag):

@@ -134,6 +134,17 @@ _BATCHERS: "weakref.WeakKeyDictionary[Any, Batcher]" = weakref.WeakKeyDictionary
 _LOCK = threading.Lock()
 
 
+def decode_batch_stats(model: Any) -> BatchStats:
+    """What the batched decoder has done for `model` so far (over its current decode weights): the
+    server's /metrics reads it. Empty until its first batched step."""
+    from kvrag.decode.lean import lean_step
+
+    step = lean_step(model) if model is not None else None
+    with _LOCK:
+        b = _BATCHERS.get(step) if step is not None else None
+    return b.stats if b is not None else BatchStats()
+
+
 def batcher_for(lm: Any, step: LeanStep) -> Batcher:
     """The one batcher of this model's step (made at its first use): one per model, and per decode
     weights should they be changed (kvrag.decode.lean.use_decode_weights)."""

@@ -9,6 +9,7 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from kvrag.decode.batch import decode_batch_stats
 from kvrag.engine import KVRag
 from kvrag.server import chat, chunks
 from kvrag.server.errors import install_error_handlers
@@ -27,7 +28,7 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
     and what `POST /v1/chunks` adds to; None: no server-side retrieval."""
     settings = settings or ServerSettings()
     gate = RequestGate(settings.max_concurrency, settings.max_queue)
-    metrics = ServerMetrics(gate)
+    metrics = ServerMetrics(gate, lambda: decode_batch_stats(getattr(rag.lm, "model", None)))
     app = FastAPI(title="kvrag", version=__version__, description="RAG answers from cached per-chunk KV, OpenAI-compatible.")
     app.state.kvrag = ServerState(rag=rag, settings=settings, gate=gate, metrics=metrics, index=index)
     install_error_handlers(app)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
 
+from kvrag.decode.batch import BatchStats
 from kvrag.server.gate import RequestGate
 from kvrag.types import AnswerStats
 
@@ -14,7 +17,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 class ServerMetrics:
     """What an operator watches: traffic by endpoint and status, TTFT, cache effectiveness, the queue."""
 
-    def __init__(self, gate: RequestGate) -> None:
+    def __init__(self, gate: RequestGate, batches: Callable[[], BatchStats] = BatchStats) -> None:
+        """`batches`: the batched decoder's counts so far (kvrag.decode.batch.decode_batch_stats)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvrag_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
@@ -33,6 +37,13 @@ class ServerMetrics:
         queue.set_function(lambda: gate.waiting)
         running = Gauge("kvrag_running_requests", "Requests holding an engine slot", registry=r)
         running.set_function(lambda: gate.running)
+        # the batched decoder (kvrag.decode.batch): rows / steps is the mean batch size since start-up
+        steps = Gauge("kvrag_decode_steps", "Decode forwards run by the batched decoder since start-up", registry=r)
+        steps.set_function(lambda: batches().steps)
+        rows = Gauge("kvrag_decode_rows", "Sequence-steps those forwards served (rows / steps: the mean batch size)", registry=r)
+        rows.set_function(lambda: batches().rows)
+        largest = Gauge("kvrag_decode_batch_largest", "The most sequences one decode forward has served", registry=r)
+        largest.set_function(lambda: batches().largest)
 
     def observe_answer(self, stats: AnswerStats) -> None:
         """Count one finished (or abandoned) answer's stats."""
