@@ -28,13 +28,13 @@ from kvrag.server.gate import Slot
 from kvrag.server.prompt import chat_prompt, question_of
 from kvrag.server.schemas import (
     ChatRequest,
+    KVRagContext,
     answer_options,
     check_chunk_count,
     check_model,
     check_supported,
     check_token_count,
     message_texts,
-    KVRagContext,
 )
 from kvrag.server.state import ServerState, admit, client_gone, in_thread, pieces_async
 from kvrag.types import AnswerStats
