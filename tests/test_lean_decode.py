@@ -146,20 +146,21 @@ def int8_reference(model):
     stock forward over it is what the lean step's fused int8 linears must reproduce."""
     import copy
 
-    from kvrag.decode.int8 import _quantized
+    from kvrag.decode.int8 import Int8Linear
 
     ref = copy.deepcopy(model)
     for layer in ref.model.layers:
         for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
             for name in names:
-                setattr(parent, name, _quantized(getattr(parent, name)))
-    ref.lm_head = _quantized(ref.lm_head)
+                setattr(parent, name, Int8Linear(getattr(parent, name)))
+    ref.lm_head = Int8Linear(ref.lm_head)
     return ref
 
 
 def test_int8_lean_step_is_the_stock_forward_over_the_same_int8_weights(rag):
-    """q/k/v and gate/up fused into one int8 matrix each: exact (per-channel scales, int32 sums), so the
-    lean step over int8 weights gives the stock forward's logits over unfused int8 linears."""
+    """q/k/v and gate/up fused into one int8 matrix each: exact (a scale per output channel; each output's
+    product is the same however many sit beside it), so the lean step over int8 weights gives the stock
+    forward's logits over unfused int8 linears."""
     from kvrag.decode.int8 import Int8Weights
 
     model = rag.lm.model
