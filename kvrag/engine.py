@@ -75,7 +75,7 @@ class KVRag(KVRagCore):
         is then the default method, since the caller asked for the adapter.
 
         `decode_weights`: what the decode steps read after the first token, for every engine over this
-        model: "model" (its own weights: answers are the model's) or "int8" (on the CPU, ~1.5x the
+        model: "model" (its own weights: answers are the model's) or "int8" (on the CPU, ~1.4x the
         tokens/s of the bundled model; the answers may part from the model's own after some tokens:
         kvrag.decode.int8, `kvrag bench-decode`); None (default): as chosen before, else "model".
         Prefill always reads the model's own weights. `stats.decode_weights` says what an answer used."""

@@ -21,7 +21,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collection", default="kvrag_chunks", help="chroma collection under $KVRAG_HOME/chroma")
     p.add_argument("--decode-weights", choices=DECODE_WEIGHTS, default=None,
                    help="what decoding reads after the first token: model (its own weights: the model's answers) or int8 "
-                        "(CPU: ~1.5x tokens/s for the bundled model; answers may part from the model's after some tokens) "
+                        "(CPU: ~1.4x tokens/s for the bundled model; answers may part from the model's after some tokens) "
                         "(default: model)")
     p.add_argument("--link-adapter", default="auto", type=link_adapter_arg,
                    help="auto/links: the link embeddings shipped for the model (base weights); tuned: the shipped "
