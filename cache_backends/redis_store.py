@@ -145,9 +145,10 @@ class RedisStore(ByteStore):
                 retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             )
         self.client = client
-        self._down_until = 0.0
-        self._backoff = 0.5
-        self._warned = False
+        # back-off while the server (or, on a cluster, one shard's master: keyed by node name) is down
+        self._down_until: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self._warned: set[str] = set()
         self._last_warning: dict[str, float] = {}
 
     # -- fault handling ---------------------------------------------------------------------------
@@ -158,26 +159,39 @@ class RedisStore(ByteStore):
             text = text.replace(secret, "***")
         return text
 
-    def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
+    def _node(self, name: str) -> str:
+        """Which server a Redis key lives on, for the back-off: "" for a single server; on a cluster its
+        shard's master ("host:port"), or "uncovered" when no live master serves its slot."""
+        if not self.cluster:
+            return ""
+        try:
+            return str(self.client.get_node_from_key(name).name)
+        except Exception:  # the slot is not covered (its master died and nothing took over)
+            return "uncovered"
 
-    def _failed(self, exc: Exception) -> None:
+    def _available(self, node: str = "") -> bool:
+        return time.monotonic() >= self._down_until.get(node, 0.0)
+
+    def _failed(self, exc: Exception, node: str = "") -> None:
+        """Back off from this server (a cluster: this shard only, the others keep serving), doubling."""
         with self._lock:
             self._stats.errors += 1
-            self._down_until = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, 30.0)
-            if not self._warned:
-                self._warned = True
+            backoff = self._backoff.get(node, 0.5)
+            self._down_until[node] = time.monotonic() + backoff
+            self._backoff[node] = min(backoff * 2, 30.0)
+            if node not in self._warned:
+                self._warned.add(node)
+                where = f"{self.url} (shard {node})" if node else self.url
                 log.warning("Redis at %s unreachable (%s: %s); computing chunks instead until it is back",
-                            self.url, type(exc).__name__, self._redact(exc))  # fmt: skip
+                            where, type(exc).__name__, self._redact(exc))  # fmt: skip
 
-    def _recovered(self) -> None:
-        if self._warned or self._backoff != 0.5:
+    def _recovered(self, node: str = "") -> None:
+        if node in self._warned or node in self._backoff:
             with self._lock:
-                if self._warned:
-                    log.warning("Redis at %s is back", self.url)
-                self._warned = False
-                self._backoff = 0.5
+                if node in self._warned:
+                    log.warning("Redis at %s is back", f"{self.url} (shard {node})" if node else self.url)
+                self._warned.discard(node)
+                self._backoff.pop(node, None)
 
     def _refused(self, what: str, exc: Exception) -> None:
         """The server is up but refused a command: count it, warn now and then, no back-off."""
@@ -190,19 +204,20 @@ class RedisStore(ByteStore):
         log.warning("Redis at %s refused a %s, skipped (%s: %s)", self.url, what, type(exc).__name__,
                     self._redact(exc)[:300])  # fmt: skip
 
-    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
-        """Run fn unless the server is down; any Redis fault becomes `default`, never an exception."""
-        if not self._available():
+    def _call(self, what: str, fn: Callable[[], T], default: T, node: str = "") -> T:
+        """Run fn unless its server (`node`: a cluster's shard) is down; any Redis fault becomes
+        `default`, never an exception."""
+        if not self._available(node):
             return default
         try:
             result = fn()
         except self._down_errors as exc:
-            self._failed(exc)
+            self._failed(exc, node)
             return default
         except self._refusals as exc:
             self._refused(what, exc)
             return default
-        self._recovered()
+        self._recovered(node)
         return result
 
     # -- raw operations ---------------------------------------------------------------------------
@@ -216,16 +231,25 @@ class RedisStore(ByteStore):
         return self.options.max_entry_bytes if limit is None else min(limit, self.options.max_entry_bytes)
 
     def _read_many(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
+        """One pipeline per server: on a cluster, a dead shard's keys are misses and the others are read."""
         bound = self._bound()
+        by_node: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_node.setdefault(self._node(self._name(k)), []).append(i)
+        out: list[bytes | CorruptEntryError | None] = [None] * len(keys)
+        for node, at in by_node.items():
+            group = [keys[i] for i in at]
 
-        def run() -> list[bytes | CorruptEntryError | None]:
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.getrange(self._name(k), 0, bound)  # at most bound + 1 bytes, whatever is stored
-            values = pipe.execute(raise_on_error=False)  # one refused key is a miss, not all of them
-            return [self._join(k, v, bound) for k, v in zip(keys, values)]
+            def run(group: list[str] = group) -> list[bytes | CorruptEntryError | None]:
+                pipe = self.client.pipeline(transaction=False)
+                for k in group:
+                    pipe.getrange(self._name(k), 0, bound)  # at most bound + 1 bytes, whatever is stored
+                values = pipe.execute(raise_on_error=False)  # one refused key is a miss, not all of them
+                return [self._join(k, v, bound) for k, v in zip(group, values)]
 
-        return self._call("read", run, [None] * len(keys))
+            for i, value in zip(at, self._call("read", run, [None] * len(group), node)):
+                out[i] = value
+        return out
 
     def _join(self, key: str, value: Any, bound: int) -> bytes | CorruptEntryError | None:
         """The entry's bytes from its value: as is, or gathered from the parts its manifest names."""
@@ -286,7 +310,7 @@ class RedisStore(ByteStore):
             manifest = _MANIFEST + struct.pack("<III", -(-size // step), size, step)
             self.client.set(self._name(key), manifest, ex=self.ttl)
 
-        self._call("write", run, None)
+        self._call("write", run, None, self._node(self._name(key)))
 
     def _remove(self, key: str) -> None:
         def run() -> None:
@@ -301,27 +325,27 @@ class RedisStore(ByteStore):
                 names += [self._name(key, i) for i in range(1, count + 1)]
             self.client.delete(*names)
 
-        self._call("delete", run, None)
+        self._call("delete", run, None, self._node(self._name(key)))
 
     def _exists(self, key: str) -> bool:
-        return bool(self._call("read", lambda: self.client.exists(self._name(key)), 0))
+        return bool(self._call("read", lambda: self.client.exists(self._name(key)), 0, self._node(self._name(key))))
 
     def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
         """HSET recreates the index if it was lost (FLUSHALL, a restart, eviction)."""
         if user_ids:
-            self._call("index write", lambda: self.client.hset(_INDEX, mapping=dict(zip(user_ids, keys))), None)
+            self._call("index write", lambda: self.client.hset(_INDEX, mapping=dict(zip(user_ids, keys))), None, self._node(_INDEX))
 
     def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
         """A lost index, a lost id or a value that is not a store key resolves to None."""
         if not user_ids:
             return []
-        values = self._call("index read", lambda: self.client.hmget(_INDEX, list(user_ids)), [None] * len(user_ids))
+        values = self._call("index read", lambda: self.client.hmget(_INDEX, list(user_ids)), [None] * len(user_ids), self._node(_INDEX))
         return [self._as_key(v) for v in values]
 
     def unlink(self, user_ids: Sequence[str]) -> None:
         """Drop these ids from the node-id index (their entries stay)."""
         if user_ids:
-            self._call("index write", lambda: self.client.hdel(_INDEX, *[str(u) for u in user_ids]), None)
+            self._call("index write", lambda: self.client.hdel(_INDEX, *[str(u) for u in user_ids]), None, self._node(_INDEX))
 
     @staticmethod
     def _as_key(value: Any) -> str | None:
@@ -332,8 +356,9 @@ class RedisStore(ByteStore):
 
     @property
     def available(self) -> bool:
-        """False while the server is considered down (inside a back-off period)."""
-        return self._available()
+        """False while the server is considered down (inside a back-off period); on a cluster, while
+        any shard is (the others still serve their keys)."""
+        return all(self._available(n) for n in list(self._down_until))
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url}, ttl={self.ttl})"

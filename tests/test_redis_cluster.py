@@ -87,5 +87,9 @@ def test_a_killed_master_is_a_miss_and_a_recompute_never_a_wrong_answer(lm, capl
         out = fresh.answer(QUESTION, ids, method="reuse", max_new_tokens=6)
         assert out.text == reference  # what it could not read it computed
         assert out.stats.cache_misses >= 1
+        # the back-off is the dead shard's alone: the live shards' entries are read, now and right after
+        assert out.stats.cache_hits >= 1, out.stats
+        again = fresh.answer(QUESTION, ids, method="reuse", max_new_tokens=6)
+        assert again.text == reference and again.stats.cache_hits >= 1
     finally:
         c.stop()
