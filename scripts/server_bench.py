@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--stop-at", default=None, choices=["none", "line", "sentence"], help="the answers' stop rule (default: the server's)")
     p.add_argument("--method", default="reuse")
+    p.add_argument("--decode-weights", default=None, choices=["model", "int8"], help="the server's decode weights (default: the model's)")
     p.add_argument("--model", default=None, help="HF id, folder or .gguf (default: bundled SmolLM2)")
     p.add_argument("--device", default="auto")
     p.add_argument("--server", default=None, help="benchmark this running server instead of starting one (same model and store!)")
@@ -74,7 +75,7 @@ def start_server(args: argparse.Namespace) -> tuple[str, Any]:
         port = s.getsockname()[1]
     extra = {} if args.max_concurrency is None else {"max_concurrency": args.max_concurrency}
     settings = ServerSettings(port=port, model=args.model, device=args.device, max_queue=64, max_new_tokens=args.max_new_tokens, **extra)
-    rag = KVRag.from_pretrained(args.model, device=args.device)
+    rag = KVRag.from_pretrained(args.model, device=args.device, decode_weights=args.decode_weights)
     args.engine, args.max_concurrency = rag, settings.max_concurrency
     server = uvicorn.Server(uvicorn.Config(create_app(rag, settings), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -153,7 +154,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# kvrag serve benchmark ({result['meta']['model']}, method {result['meta']['method']}, "
         f"{result['meta']['max_new_tokens']} new tokens, stop_at {result['meta'].get('stop_at') or 'the server default'}, "
-        f"top-{result['meta']['top_k']})",
+        f"top-{result['meta']['top_k']}, decode weights {result['meta'].get('decode_weights', 'model')})",
         "",
         "| path | questions | wall per question p50 (s) | mean (s) | engine TTFT p50 (s) |",
         "|---|---|---|---|---|",
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = getattr(args, "engine", None) or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
     decode = run_decode_bench(engine, [1024], new_tokens=64, repeats=2)
     result = {
-        "meta": {"model": args.model or "bundled SmolLM2-135M-Instruct", "method": args.method, "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
+        "meta": {"model": args.model or "bundled SmolLM2-135M-Instruct", "method": args.method, "decode_weights": args.decode_weights or "model", "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
                  "top_k": args.top_k, "n": args.n, "cli_n": args.cli_n, "quick": args.quick, "server": url, "cpu_count": os.cpu_count(),
                  "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
         "sequential": {"server": seq_server, "cli": seq_cli},
