@@ -178,3 +178,28 @@ def test_kvrag_clients_without_chunks_still_ask_for_plain_chat(served):
     stream = stream_via_server(live.url, "When do owls hunt?")
     "".join(stream)
     assert stream.stats.path == "plain"
+
+
+def test_kvrag_ask_through_a_server_uses_its_retrieval_when_this_machine_has_no_index(served, tmp_path, monkeypatch, capsys):
+    """`kvrag ask --server URL` on a machine that ingested nothing (`kvrag ingest --server` went to the
+    server): the server retrieves from its own index, and --json/--sources show what it read."""
+    from kvrag.cli.app import main
+
+    live, http, _ = served
+    http.post("/v1/chunks", json={"chunks": chunk_json(FACTS)})
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "empty-home"))
+    assert main(["ask", "--server", live.url, "--max-new-tokens", "3", "--json", "What do bees make?"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chunk_ids"][0] == "bee" and out["sources"][0]["title"] == "Bees"
+    assert main(["ask", "--server", live.url, "--max-new-tokens", "3", "--sources", "What do bees make?"]) == 0
+    assert "'Bees'" in capsys.readouterr().out.split("sources:")[1]
+
+
+def test_kvrag_ask_through_a_server_with_nothing_indexed_anywhere_is_an_error(tmp_path, monkeypatch, capsys):
+    from kvrag.cli.app import main
+
+    index = ChunkIndex(tmp_path / "server-chroma")
+    with LiveServer(create_app(tiny_rag(), SETTINGS, index)) as live:
+        monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "empty-home"))
+        assert main(["ask", "--server", live.url, "--max-new-tokens", "3", "What do bees make?"]) == 2
+    assert "neither this machine's index nor the server's" in capsys.readouterr().err

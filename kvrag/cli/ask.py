@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_ask(args: argparse.Namespace) -> int:
     if args.method is not None:
         check_method(args.method, method_params(args))  # a mistyped method or parameter: an error before anything loads
-    common.require_index(args)  # nothing ingested: an error before torch or a model loads (within a second)
+    if not args.server:  # (through a server, its own index may answer: see _ask_via_server)
+        common.require_index(args)  # nothing ingested: an error before torch or a model loads (within a second)
     params = method_params(args)
     if args.server:
         return _ask_via_server(args, dict(params))  # no method named: the server's, which checks the parameters
@@ -131,13 +132,20 @@ def source_lines(chunks: Sequence[Chunk], width: int = 100) -> str:
 
 
 def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
-    from kvrag.client import ask_via_server
+    """Retrieval here when this machine has an index, else the server's own (what it ingested)."""
+    from kvrag.client import ask_retrieving_via_server, ask_via_server
 
     if args.evict_budget is not None:
         raise KVRagError("--evict-budget is not available through --server")
-    chunks = common.retrieve(common.open_index(args), args.question, args.top_k)
-    text, stats = ask_via_server(args.server, args.question, chunks=chunks, method=args.method, recompute_ratio=args.recompute_ratio,
-                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, params=params)
+    options = dict(method=args.method, recompute_ratio=args.recompute_ratio, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, params=params)
+    if common.index_size(args):
+        chunks = common.retrieve(common.open_index(args), args.question, args.top_k)
+        text, stats = ask_via_server(args.server, args.question, chunks=chunks, **options)
+    else:
+        text, stats, chunks = ask_retrieving_via_server(args.server, args.question, top_k=args.top_k, **options)
+        if not chunks:
+            raise KVRagError(f"{common.NOTHING_INGESTED}: neither this machine's index nor the server's holds any chunk")
     if args.json:
         print(json.dumps({"answer": text, "chunk_ids": [c.id for c in chunks], "sources": sources(chunks), "stats": stats.as_dict()}))
     else:

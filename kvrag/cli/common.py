@@ -37,13 +37,20 @@ def add_server_option(p: argparse.ArgumentParser) -> None:
 NOTHING_INGESTED = "nothing has been ingested yet: run `kvrag ingest PATH...` first"
 
 
+def index_size(args: argparse.Namespace) -> int:
+    """Chunks in this machine's index ($KVRAG_HOME/chroma, --collection), counted without loading a model."""
+    from kvrag.defaults import kvrag_home
+    from kvrag.ingest.retrieval import indexed_count
+
+    return indexed_count(kvrag_home() / "chroma", args.collection)
+
+
 def require_index(args: argparse.Namespace) -> None:
     """Fail at once when the index is empty, before a model is loaded or converted (seconds, or a
     517 MB write on a first run) only to find nothing to answer from."""
     from kvrag.defaults import kvrag_home
-    from kvrag.ingest.retrieval import indexed_count
 
-    if indexed_count(kvrag_home() / "chroma", args.collection) == 0:
+    if index_size(args) == 0:
         raise KVRagError(f"{NOTHING_INGESTED} (the index under {kvrag_home() / 'chroma'} is empty)")
 
 
