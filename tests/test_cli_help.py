@@ -18,7 +18,7 @@ def helps():
 @pytest.mark.parametrize("name", sorted(helps()))
 def test_defaults_are_shown_once_and_never_as_none(name):
     text = helps()[name]
-    assert "(default: None)" not in text
+    assert "(default: None)" not in text and "(default: [])" not in text
     for block in re.split(r"\n  (?=-)", text):  # one option's help per block
         assert block.count("default") <= 1 or block.count("(default:") <= 1, block
 

@@ -54,6 +54,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text.lower() or action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool):
+        default = action.default
+        if "default" in text.lower() or default is None or default is argparse.SUPPRESS or isinstance(default, bool) or default == []:
             return text
         return super()._get_help_string(action)
