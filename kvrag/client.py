@@ -73,34 +73,26 @@ def ask_via_server(
         ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
     if chunk_ids is None and chunks is None:
         ctx["retrieve"] = False  # none: plain chat, not the server's own retrieval
-    out = _ask(url, question, ctx, method, recompute_ratio, max_new_tokens, temperature, params, timeout)
+    out = _ask(url, question, ctx, method=method, recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
+               temperature=temperature, params=params, timeout=timeout)
     return out["choices"][0]["message"]["content"], AnswerStats.from_dict(out.get("kvrag_stats", {}))
 
 
-def ask_retrieving_via_server(
-    url: str,
-    question: str,
-    *,
-    top_k: int | None = None,
-    method: str | None = None,
-    recompute_ratio: float | None = None,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    params: dict[str, Any] | None = None,
-    timeout: float = 300.0,
-) -> tuple[str, AnswerStats, list[Chunk]]:
-    """Answer `question` from the server's own retrieval (the top-k chunks of its index). Returns the
-    answer's text, the engine's stats and the chunks it read (id, title, source; no text): none when
-    the server found nothing (its index is empty) and answered as plain chat."""
+def ask_retrieving_via_server(url: str, question: str, *, top_k: int | None = None, **options: Any) -> tuple[str, AnswerStats, list[Chunk]]:
+    """Answer `question` from the server's own retrieval (the top-k chunks of its index); `options` are
+    `ask_via_server`'s (method, recompute_ratio, max_new_tokens, temperature, params, timeout). Returns
+    the answer's text, the engine's stats and the chunks it read (id, title, source; no text): none
+    when the server found nothing (its index is empty) and answered as plain chat."""
     ctx: dict[str, Any] = {"retrieve": True, **({"top_k": top_k} if top_k is not None else {})}
-    out = _ask(url, question, ctx, method, recompute_ratio, max_new_tokens, temperature, params, timeout)
+    out = _ask(url, question, ctx, **options)
     found = [Chunk(id=str(s["id"]), text="", title=str(s.get("title") or ""), metadata={"source": s.get("source") or ""})
              for s in out.get("kvrag_sources") or []]
     return out["choices"][0]["message"]["content"], AnswerStats.from_dict(out.get("kvrag_stats", {})), found
 
 
-def _ask(url: str, question: str, ctx: dict[str, Any], method: str | None, recompute_ratio: float | None,
-         max_new_tokens: int | None, temperature: float | None, params: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+def _ask(url: str, question: str, ctx: dict[str, Any], *, method: str | None = None, recompute_ratio: float | None = None,
+         max_new_tokens: int | None = None, temperature: float | None = None, params: dict[str, Any] | None = None,
+         timeout: float = 300.0) -> dict[str, Any]:
     """One non-streamed chat completion for `question` with the kvrag context `ctx` and these options."""
     body: dict[str, Any] = {"model": "kvrag", "messages": [{"role": "user", "content": question}]}
     if max_new_tokens is not None:

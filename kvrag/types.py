@@ -84,9 +84,11 @@ class AnswerStats:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     # A read-only dict view, so code written against the dict the integrations' metadata carries
-    # (`stats["ttft_s"]`, `dict(stats)`) works on the object too.
+    # (`stats["ttft_s"]`, `dict(stats)`) works on the object too: as_dict()'s keys, read from the object.
     def keys(self) -> list[str]:
-        return list(self.as_dict())
+        from dataclasses import fields
+
+        return [f.name for f in fields(self)] + ["decode_tokens_per_s"]
 
     def __getitem__(self, name: str) -> Any:
         if name not in self.keys():

@@ -58,3 +58,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if "default" in text.lower() or default is None or default is argparse.SUPPRESS or isinstance(default, bool) or default == []:
             return text
         return super()._get_help_string(action)
+
+
+DECODE_WEIGHTS_HELP = ("what decoding reads after the first token: model (its own weights: the model's answers) or int8 "
+                       "(CPU: ~1.4x tokens/s for the bundled model; answers may part from the model's after some tokens) "
+                       "(default: model)")

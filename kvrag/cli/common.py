@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from kvrag.cli.args import link_adapter_arg
+from kvrag.cli.args import DECODE_WEIGHTS_HELP, link_adapter_arg
 from kvrag.defaults import DECODE_WEIGHTS
 from kvrag.errors import KVRagError
 
@@ -19,10 +19,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
     p.add_argument("--collection", default="kvrag_chunks", help="chroma collection under $KVRAG_HOME/chroma")
-    p.add_argument("--decode-weights", choices=DECODE_WEIGHTS, default=None,
-                   help="what decoding reads after the first token: model (its own weights: the model's answers) or int8 "
-                        "(CPU: ~1.4x tokens/s for the bundled model; answers may part from the model's after some tokens) "
-                        "(default: model)")
+    p.add_argument("--decode-weights", choices=DECODE_WEIGHTS, default=None, help=DECODE_WEIGHTS_HELP)
     p.add_argument("--link-adapter", default="auto", type=link_adapter_arg,
                    help="auto/links: the link embeddings shipped for the model (base weights); tuned: the shipped "
                         "reuse-tuned LoRA on kvlink's fast path (kvlink by default; Full Attention stays the base "

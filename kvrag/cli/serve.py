@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvrag.cli.args import HelpFormatter, link_adapter_arg, ratio_or_auto
+from kvrag.cli.args import DECODE_WEIGHTS_HELP, HelpFormatter, link_adapter_arg, ratio_or_auto
 from kvrag.defaults import DECODE_WEIGHTS
 from kvrag.server.settings import ServerSettings
 
@@ -46,9 +46,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                                       "kvlink over a tuned model, else cacheblend)")
     p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
-    p.add_argument("--decode-weights", choices=DECODE_WEIGHTS, default=d.decode_weights,
-                   help="what decoding reads after the first token: model (its own weights) or int8 (CPU: ~1.4x tokens/s; "
-                        "answers may part from the model's after some tokens) (default: model)")
+    p.add_argument("--decode-weights", choices=DECODE_WEIGHTS, default=d.decode_weights, help=DECODE_WEIGHTS_HELP)
     p.add_argument("--no-retrieval", dest="retrieval", action="store_false", default=d.retrieval,
                    help="answer chat requests that bring no kvrag context as plain chat (default: from the top-k chunks of "
                         "the index `kvrag ingest` fills, named in the response's kvrag_sources)")

@@ -220,10 +220,10 @@ class ChunkRegistry:
             return len(admin.links())  # type: ignore[attr-defined]  (in this process: cheap)
         return None
 
-    def store_index_size(self, limit: int = 100_000) -> int | None:
+    def store_index_size(self, limit: int = SHARE_SCAN_LIMIT) -> int | None:
         """How many ids the store's node-id index holds (every id any replica registered, for any model
-        sharing the store): what `/health` reports. None where that is not cheap to count (more than
-        `limit` on disk, a store kind without such an index) or the store fails."""
+        sharing the store): what `/health` reports, so it stays cheap for a poller. None where that is
+        not cheap to count (more than `limit` on disk, a store kind without such an index) or the store fails."""
         admin = self._index_admin()
         if admin is None:
             return None

@@ -87,7 +87,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
 
         return start
     prompt = chat_prompt(req.messages)
-    retrieve = _retrieval(state, req)
+    retrieve = _retriever(state, req)
 
     def start_plain() -> Started:
         check_token_count(state.count_tokens([prompt]), settings)  # every message, as the engine reads them
@@ -100,7 +100,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     return start_plain
 
 
-def _retrieval(state: ServerState, req: ChatRequest) -> Callable[[], list] | None:
+def _retriever(state: ServerState, req: ChatRequest) -> Callable[[], list] | None:
     """How a request without its own context finds its chunks: the top-k of the server's index for its
     last user message; None for plain chat (retrieval off for the server or the request, or no user
     message to retrieve for). A request asking for retrieval from a server without an index is a 400."""
