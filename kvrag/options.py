@@ -15,9 +15,10 @@ from kvrag.methods import Method, get_method
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
 OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context")  # AnswerOptions' own keyword fields
-DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static")
+DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static", "draft_tokens")
 
 from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
+    DEFAULT_DRAFT_TOKENS,
     DEFAULT_METHOD,
     DEFAULT_MIN_RECOMPUTE,
     DEFAULT_RATIO,
@@ -49,9 +50,11 @@ def decode_config(
     seed: int | None = None,
     stop_at: str = DEFAULT_STOP_AT,
     static: bool | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> DecodeConfig:
     """A DecodeConfig from the keyword arguments users pass (`stop` may be one string)."""
-    return DecodeConfig(max_new_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop or ()), seed, stop_at, static)
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    return DecodeConfig(max_new_tokens, temperature, top_p, stops, seed, stop_at, static, draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ class AnswerOptions:
         if dec:
             cur = base.decode
             merged = {"max_new_tokens": cur.max_new_tokens, "temperature": cur.temperature, "top_p": cur.top_p,
-                      "stop": list(cur.stop), "seed": cur.seed, "stop_at": cur.stop_at, "static": cur.static, **dec}
+                      "stop": list(cur.stop), "seed": cur.seed, "stop_at": cur.stop_at, "static": cur.static,
+                      "draft_tokens": cur.draft_tokens, **dec}
             fields["decode"] = decode_config(**merged)
         inherited = {} if "method" in fields else dict(base.method_params)  # another method: not the old one's parameters
         if kwargs or inherited != dict(base.method_params):

@@ -245,7 +245,8 @@ class RequestPipeline:
         state = DecodeState()
         t = clock(self.lm.device)
         headers = self.repo.layout.header_lines(pre.chunks)
-        tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context, headers)
+        tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context,
+                               headers, pre.segments.read_ids())
         try:
             while True:  # each forward takes the model lock itself (a batched step: its leader, for all rows)
                 piece = next(tokens, None)
@@ -258,4 +259,6 @@ class RequestPipeline:
             pre.stats.decode_s = clock(self.lm.device) - t
             pre.stats.decode_setup_s = state.setup_s
             pre.stats.decode_weights = state.weights
+            pre.stats.decode_forwards = state.forwards
+            pre.stats.draft_accepted = state.accepted
             pre.stats.echoed_header = state.echoed.strip()

@@ -60,6 +60,8 @@ class AnswerStats:
     load_wait_s: float = 0.0
     weights: str = "base"  # "base", or "adapter": a weight-changing link adapter served this answer (kvlink's fast path)
     decode_weights: str = "model"  # what the decode steps read after the first token: "model" (its own weights) or "int8" (opt-in)
+    decode_forwards: int = 0  # forwards after the first token; fewer than the tokens where drafts were right (kvrag.decode.draft)
+    draft_accepted: int = 0  # tokens served from a drafted row the model agreed with, without a forward of their own
     full_reason: str = ""  # why a reuse method read the whole prompt with Full Attention (chunks within min_recompute), else ""
     echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
 

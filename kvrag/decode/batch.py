@@ -10,7 +10,8 @@ step running leads: it waits (at most `window_s`) until every registered sequenc
 next token, then runs `LeanStep.many` under the model lock for all of them and wakes each with its
 own logits. Sequences join whenever they make their first step and leave when they close (an answer
 that ended, or a stream its client abandoned: closed by the generator's cleanup), so the batch is
-re-formed every step. Token choice, stop rules and sampling stay in each request's own loop
+re-formed every step. A sequence decoding alone may add drafted tokens to its call (kvrag.decode.draft):
+its rows then ride the same forward, each seeing its own predecessors. Token choice, stop rules and sampling stay in each request's own loop
 (`kvrag.decode.stream`): a batched answer picks its tokens from its own logits with its own
 generator. Each row attends over its own slots exactly as alone; only the projections' float order
 may differ (one matrix product for all rows), which the tests check does not change greedy answers.
@@ -32,12 +33,13 @@ from kvrag.model.home_thread import on_home
 KV = tuple[torch.Tensor, torch.Tensor]
 WINDOW_S = 0.005  # how long a step's leader waits for the other registered sequences' next tokens
 MAX_BATCH = 32  # rows in one forward at most
+DRAFT_ROWS = 2  # drafted tokens a sequence may add to its step when it decodes alone (none when others do)
 
 
 @dataclass(eq=False)
 class _Call:
     buffers: Sequence[KV]
-    token: int
+    tokens: Sequence[int]  # the token chosen, then any drafted after it
     position: int
     slot: int
     logits: torch.Tensor | None = None
@@ -49,8 +51,9 @@ class _Call:
 class BatchStats:
     steps: int = 0  # forwards run
     rows: int = 0  # sequence-steps served by them
-    largest: int = 0  # the most rows in one forward
-    sizes: dict[int, int] = field(default_factory=dict)  # rows -> forwards of that many rows
+    drafts: int = 0  # drafted tokens they also computed (kvrag.decode.draft), right or not
+    largest: int = 0  # the most sequences in one forward
+    sizes: dict[int, int] = field(default_factory=dict)  # sequences -> forwards of that many
 
 
 class Batcher:
@@ -77,9 +80,17 @@ class Batcher:
             self._open = max(0, self._open - 1)
             self._cond.notify_all()
 
-    def step(self, buffers: Sequence[KV], token: int, position: int, slot: int) -> torch.Tensor:
-        """This sequence's logits [vocab] after `token` at `position`, written at `slot` of `buffers`."""
-        call = _Call(buffers, token, position, slot)
+    def draft_room(self) -> int:
+        """How many drafted tokens a sequence may add to its next step: some when it decodes alone,
+        none while others decode (their rows already fill the forward, and a sequence served from its
+        drafts would keep the others waiting for its call)."""
+        with self._cond:
+            return DRAFT_ROWS if self._open <= 1 else 0
+
+    def step(self, buffers: Sequence[KV], tokens: Sequence[int], position: int, slot: int) -> torch.Tensor:
+        """This sequence's logits [len(tokens), vocab]: row i after `tokens[: i + 1]`, the tokens fed at
+        `position` and written at `slot` of `buffers` onwards."""
+        call = _Call(buffers, list(tokens), position, slot)
         with self._cond:
             self._pending.append(call)
             self._cond.notify_all()
@@ -94,7 +105,7 @@ class Batcher:
                 want = min(self._open, max(1, self._last), self.max_batch)
                 while len(self._pending) < want and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(left)
-                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+                batch, self._pending = _take(self._pending, self.max_batch)
                 self._last = len(batch)
                 self._cond.release()
                 try:
@@ -111,12 +122,13 @@ class Batcher:
     def _run(self, batch: list[_Call]) -> None:
         device = self.lm.device
         try:
-            tokens = torch.tensor([[c.token] for c in batch], device=device)
-            positions = torch.tensor([[c.position] for c in batch], device=device)
+            tokens = torch.tensor([[t] for c in batch for t in c.tokens], device=device)
+            positions = torch.tensor([[c.position + i] for c in batch for i in range(len(c.tokens))], device=device)
+            counts = [len(c.tokens) for c in batch]
             with self.lm.lock:
-                logits = self._step.many(tokens, positions, [(c.buffers, c.slot) for c in batch])
-            for i, c in enumerate(batch):
-                c.logits = logits[i]
+                logits = self._step.many(tokens, positions, [(c.buffers, c.slot) for c in batch], counts)
+            for c, rows in zip(batch, logits.split(counts)):
+                c.logits = rows
         except BaseException as exc:  # every waiting sequence hears of it, not only the leader
             for c in batch:
                 c.error = exc
@@ -126,8 +138,19 @@ class Batcher:
             s = self.stats
             s.steps += 1
             s.rows += len(batch)
+            s.drafts += sum(len(c.tokens) - 1 for c in batch)
             s.largest = max(s.largest, len(batch))
             s.sizes[len(batch)] = s.sizes.get(len(batch), 0) + 1
+
+
+def _take(pending: list[_Call], max_rows: int) -> tuple[list[_Call], list[_Call]]:
+    """The calls of the next forward (in order, at least one, at most `max_rows` rows) and those left."""
+    rows = 0
+    for i, c in enumerate(pending):
+        rows += len(c.tokens)
+        if i and rows > max_rows:
+            return pending[:i], pending[i:]
+    return pending, []
 
 
 _BATCHERS: "weakref.WeakKeyDictionary[Any, Batcher]" = weakref.WeakKeyDictionary()

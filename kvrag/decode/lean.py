@@ -86,20 +86,29 @@ class LeanStep:
         return self._forward(tokens, positions, attend)
 
     @torch.no_grad()
-    def many(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[tuple[Sequence[KV], int]]) -> torch.Tensor:
+    def many(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[tuple[Sequence[KV], int]],
+             rows: Sequence[int] | None = None) -> torch.Tensor:
         """One step for several sequences that each keep their own buffers: `seqs[b]` is (its per-layer
-        [1, kv_heads, capacity, d] buffers, its slot). Projections and MLP run on all rows at once (the
-        weights are read once for the batch); each row writes its slot and attends over its own slots
-        [0, slot] only, unmasked, exactly as it would alone. Logits [B, vocab]."""
+        [1, kv_heads, capacity, d] buffers, its first slot) and `rows[b]` how many consecutive rows of
+        `tokens`/`positions` ([R, 1]) are its (None: one each; more: a token and the drafts after it,
+        kvrag.decode.draft). Projections and MLP run on all rows at once (the weights are read once
+        for the batch); a sequence's rows write the slots from its first on, and each attends over the
+        sequence's own slots up to its own, unmasked where a sequence has one row, exactly as it would
+        alone. Logits [R, vocab]."""
+        counts = list(rows) if rows is not None else [1] * len(seqs)
 
         def attend(i: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = []
-            for b, (buffers, slot) in enumerate(seqs):
+            outs, r = [], 0
+            for (buffers, slot), n in zip(seqs, counts):
                 kbuf, vbuf = buffers[i]
-                kbuf[:, :, slot : slot + 1].copy_(k[b : b + 1])
-                vbuf[:, :, slot : slot + 1].copy_(v[b : b + 1])
-                outs.append(self.attend(attn, q[b : b + 1], kbuf[:, :, : slot + 1], vbuf[:, :, : slot + 1], None,
-                                        dropout=0.0, scaling=attn.scaling)[0])
+                kbuf[:, :, slot : slot + n].copy_(k[r : r + n].transpose(0, 2))
+                vbuf[:, :, slot : slot + n].copy_(v[r : r + n].transpose(0, 2))
+                if n == 1:
+                    outs.append(self.attend(attn, q[r : r + 1], kbuf[:, :, : slot + 1], vbuf[:, :, : slot + 1], None,
+                                            dropout=0.0, scaling=attn.scaling)[0])
+                else:
+                    outs.append(_attend_rows(q[r : r + n], kbuf[:, :, : slot + n], vbuf[:, :, : slot + n], attn.scaling))
+                r += n
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
         return self._forward(tokens, positions, attend)
@@ -142,6 +151,21 @@ class LeanStep:
         v = v.transpose(1, 2)
         q, k = self.apply_rotary(q, k, cos, sin)
         return q, k, v
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of one sequence's n consecutive rows (q [n, heads, 1, d]) over its slots
+    (k, v [1, kv_heads, S, d], the rows' own the last n): row j sees the slots up to S - n + j. The
+    query heads that share a K/V head are stacked along the query axis, so the K/V are read as they
+    are, never repeated per head. Returns [n, 1, heads, d], as the attention functions do."""
+    n, heads, _, d = q.shape
+    kv_heads, S = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    seen = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
+    mask = torch.zeros(n, S, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+    grouped = q.permute(2, 1, 0, 3).reshape(1, kv_heads, group * n, d)  # [1, kv_heads, group x n, d]
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, k, v, attn_mask=mask.repeat(group, 1)[None, None], scale=scaling)
+    return out.reshape(1, heads, n, d).permute(2, 0, 1, 3)
 
 
 def _write(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:

@@ -20,6 +20,10 @@ The same `StaticStep.run` runs eagerly (on the CPU, where tests check its tokens
 growing-cache decode) and is captured on CUDA by `StaticDecoder`. The capture path is never run by
 the CPU test suite: tests/test_cuda.py checks graph == eager tokens on a GPU.
 
+Without a graph (the CPU), a step may also feed tokens drafted from the prompt (kvrag.decode.draft):
+their rows are the logits the following steps would compute, kept and served when the token chosen is
+the one drafted; the slots of a draft not chosen are simply written again by the next forward.
+
 Its cache is `kvrag.model.cache.SlotCache` (every transformers Cache subclass lives there): a layer of
 fixed capacity that decodes in a SpliceLayer's reserved room (`SpliceLayer.room`) and hands the grown
 length back when decoding ends (`SpliceLayer.adopt`).
@@ -35,6 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from kvrag.decode.batch import batcher_for
+from kvrag.decode.draft import PromptLookup
 from kvrag.decode.lean import lean_step
 from kvrag.model.cache import SlotCache, SpliceLayer, cache_arg
 from kvrag.model.home_thread import on_home
@@ -103,8 +108,11 @@ class StaticDecoder:
 
     WARMUP = 2  # eager runs on a side stream before capture (allocator, cuBLAS/SDPA lazy setup)
 
-    def __init__(self, lm: Any, cache: Any, steps: int, graph: bool | None = None) -> None:
-        """`steps`: the most forwards this decode can take (the capacity is made to hold them)."""
+    def __init__(self, lm: Any, cache: Any, steps: int, graph: bool | None = None,
+                 context_ids: Sequence[int] = (), draft_tokens: int = 0) -> None:
+        """`steps`: the most forwards this decode can take (the capacity is made to hold them).
+        `draft_tokens`: tokens drafted from `context_ids` (the prompt's) and the answer so far to feed
+        with each step when it decodes alone (kvrag.decode.draft); batched steps only (not a graph)."""
         if not supports(cache):
             raise ValueError("this cache cannot be decoded statically (layers of different lengths, or a batch)")
         t = time.perf_counter()
@@ -120,6 +128,11 @@ class StaticDecoder:
         if not self.graph and self.step.lean is not None:
             self._batcher = batcher_for(lm, self.step.lean)
             self._batcher.join()
+        self.draft_tokens = draft_tokens if self._batcher is not None else 0
+        self._lookup = PromptLookup(context_ids) if self.draft_tokens > 0 else None
+        self._ahead: list[tuple[int, torch.Tensor]] = []  # (drafted token, the logits after it), verified already
+        self.forwards = 0  # forwards run; the rest of the steps were served from verified drafts
+        self.accepted = 0  # steps whose token was the one drafted, served without a forward
         self._graph: Any = None  # torch.cuda.CUDAGraph once captured
         self._out: torch.Tensor | None = None
         self.replays = 0  # steps served by replaying the graph (tests read it: the capture did not fall back)
@@ -143,12 +156,32 @@ class StaticDecoder:
         slot = self.start + self.written
         if slot >= self.capacity:
             raise RuntimeError(f"static decode ran out of its {self.capacity - self.start} reserved slots")
+        if self._lookup is not None:
+            self._lookup.append(token)
+        if self._ahead:  # the last forward also read the token drafted for this step
+            drafted, logits = self._ahead.pop(0)
+            if drafted == token:  # its K/V sit at this slot already
+                self.written += 1
+                self.accepted += 1
+                return logits
+            self._ahead.clear()  # not chosen: the slots it and those after it wrote are rewritten from here
         if self._batcher is not None:  # no graph: the step is shared with the other sequences decoding now
-            logits = self._batcher.step(self.buffers, token, position, slot)
+            drafts = self._drafts(slot)
+            rows = self._batcher.step(self.buffers, [token, *drafts], position, slot)
+            self._ahead = list(zip(drafts, rows[1:]))
+            logits = rows[0]
         else:
             logits = on_home(self._locked, token, position, slot)
+        self.forwards += 1
         self.written += 1
         return logits
+
+    def _drafts(self, slot: int) -> list[int]:
+        """Tokens to feed after this step's, within the reserved room (none when others decode too)."""
+        if self._lookup is None or self._batcher is None:
+            return []
+        room = min(self.draft_tokens, self.capacity - slot - 1, self._batcher.draft_room())
+        return self._lookup.propose(room)
 
     def _locked(self, token: int, position: int, slot: int) -> torch.Tensor:
         with self._lock:

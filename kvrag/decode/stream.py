@@ -4,7 +4,9 @@ Each token's forward is one of two steppers with the same call, `(token, positio
 `EagerStep` appends to the growing cache (the CPU default), `StaticDecoder` (kvrag.decode.static)
 writes into a fixed-capacity buffer with a fixed-shape step that a CUDA graph replays (the CUDA
 default, `DecodeConfig.static`). Token choice, stop rules and detokenisation are shared, so the two
-pick the same tokens from the same logits.
+pick the same tokens from the same logits. The static step may feed tokens drafted from the prompt
+with each forward (kvrag.decode.draft, `DecodeConfig.draft_tokens`) and serve the next steps from
+their rows: fewer forwards, the same tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvrag.model.home_thread import on_home
 from kvrag.model.loading import LoadedModel
 from kvrag.decode.lean import lean_supported
 from kvrag.decode.static import StaticDecoder, supports
+from kvrag.defaults import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 
 @dataclass
@@ -33,6 +36,7 @@ class DecodeConfig:
     seed: int | None = None
     stop_at: str = "none"  # "sentence": end after the first complete sentence; "line": at the first line break
     static: bool | None = None  # static KV buffer + fixed-shape step (a CUDA graph on CUDA); None: auto (static_on)
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS  # prompt-lookup drafts verified with each step (kvrag.decode.draft); 0: none
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -43,6 +47,8 @@ class DecodeConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.stop_at not in STOP_RULES:
             raise ValueError(f"stop_at must be one of {sorted(STOP_RULES)}, got {self.stop_at!r}")
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an integer within [0, {MAX_DRAFT_TOKENS}], got {self.draft_tokens!r}")
         if self.static is not None and not isinstance(self.static, bool):
             raise ValueError(f"static must be True, False or None (auto: on for CUDA), got {self.static!r}")
 
@@ -194,6 +200,8 @@ class DecodeState:
     echoed: str = ""  # leading lines that only repeated a chunk header, left out of the answer
     setup_s: float = 0.0  # the static decoder's one-time set-up (room, graph capture), inside the decode time
     weights: str = "model"  # what the decode steps read: the model's own weights, or "int8" (kvrag.decode.int8)
+    forwards: int = 0  # forwards after the first token (the prefill gave it)
+    accepted: int = 0  # tokens whose forward had run already, as a verified draft (kvrag.decode.draft)
 
 
 class EagerStep:
@@ -201,12 +209,15 @@ class EagerStep:
 
     setup_s = 0.0  # nothing to set up: the cache grows as it goes
     weights = "model"  # the stock forward: the model's own weights
+    accepted = 0  # no drafts: a forward a token
 
     def __init__(self, lm: LoadedModel, cache: Any) -> None:
         self.lm, self.cache = lm, cache
+        self.forwards = 0
 
     @torch.no_grad()
     def __call__(self, token: int, position: int) -> torch.Tensor:
+        self.forwards += 1
         return on_home(self._locked, token, position)
 
     def _locked(self, token: int, position: int) -> torch.Tensor:
@@ -229,16 +240,17 @@ class EagerStep:
 Stepper = EagerStep | StaticDecoder
 
 
-def stepper(lm: LoadedModel, cache: Any, next_position: int, cfg: DecodeConfig, max_position: int | None = None) -> Stepper:
+def stepper(lm: LoadedModel, cache: Any, next_position: int, cfg: DecodeConfig, max_position: int | None = None,
+            context_ids: Sequence[int] = ()) -> Stepper:
     """The forward each decoded token takes: static (CUDA graph on CUDA) when `cfg` asks for it and the
     cache allows it (see `kvrag.decode.static.supports`), else eager. Sized for the forwards this
     decode can still take: one fewer than max_new_tokens (the first token comes from the prefill),
-    and none at or past `max_position`."""
+    and none at or past `max_position`. The static step drafts from `context_ids` (the prompt's tokens)."""
     if cfg.static_on(lm.device, lm.model) and supports(cache):
         steps = cfg.max_new_tokens - 1
         if max_position is not None:
             steps = min(steps, max_position - next_position)
-        return StaticDecoder(lm, cache, max(steps, 1))
+        return StaticDecoder(lm, cache, max(steps, 1), context_ids=context_ids, draft_tokens=cfg.draft_tokens)
     return EagerStep(lm, cache)
 
 
@@ -252,16 +264,20 @@ def stream_tokens(
     state: DecodeState,
     max_position: int | None = None,
     headers: Collection[str] = (),
+    context_ids: Sequence[int] = (),
 ) -> Iterator[str]:
     """Yield text pieces as tokens are generated; stops at eos, a stop string or max_new_tokens.
-    Leading lines that only repeat one of `headers` (the prompt's chunk headers) are left out."""
-    forward = LazyStep(lambda: stepper(lm, cache, next_position, cfg, max_position))
+    Leading lines that only repeat one of `headers` (the prompt's chunk headers) are left out.
+    `context_ids`: the prompt's tokens, which drafts are looked up in (`DecodeConfig.draft_tokens`)."""
+    forward = LazyStep(lambda: stepper(lm, cache, next_position, cfg, max_position, context_ids))
     try:
         yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position, headers)
     finally:  # also when the stream is abandoned: the cache reads as decoded so far
         forward.close()
         state.setup_s = forward.step.setup_s if forward.step is not None else 0.0
         state.weights = forward.step.weights if forward.step is not None else "model"
+        state.forwards = forward.step.forwards if forward.step is not None else 0
+        state.accepted = forward.step.accepted if forward.step is not None else 0
 
 
 class LazyStep:

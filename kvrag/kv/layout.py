@@ -78,6 +78,11 @@ class Segments:
         ids.extend(self.question)
         return ids
 
+    def read_ids(self) -> list[int]:
+        """The prompt's own tokens in order, without link placeholders: what decoding drafts from
+        (kvrag.decode.draft)."""
+        return [*self.prefix, *(t for c in self.chunks for t in c), *self.question]
+
 
 class PromptLayout:
     """Builds the segments of a RAG prompt from a tokenizer's chat template."""
