@@ -106,6 +106,7 @@ class AnswerStats:
             f"recomputed={self.recomputed_tokens} chunk_prefill={self.chunk_prefill_tokens} "
             f"hits={self.cache_hits} misses={self.cache_misses} loaded={self.bytes_loaded / 1e6:.1f}MB "
             f"kept={self.kept_kv_ratio:.2f} kv={self.kv_bytes / 1e6:.1f}MB decode={self.decode_tokens_per_s:.1f}tok/s"
+            + (f" drafts_served={self.draft_accepted}" if self.draft_accepted else "")
         )
 
 

@@ -134,7 +134,8 @@ def test_the_decode_benchmark_reports_every_path_and_the_bound(rag):
 
     result = run_decode_bench(rag, [120], new_tokens=12, repeats=1)
     (row,) = result["rows"]
-    assert row["engine_tok_s"] > 0 and row["growing_tok_s"] > 0 and row["generate_tok_s"] > 0
+    assert row["engine_tok_s"] > 0 and row["growing_tok_s"] > 0 and row["generate_tok_s"] > 0 and row["no_drafts_tok_s"] > 0
+    assert row["engine_first_tok_s"] > 0 and row["tokens_per_forward"] >= 1
     assert row["engine_same_tokens_as_growing"] is True and row["generate_same_tokens"] is True
     assert result["bound_tok_s"] > 0 and result["weights_bytes"] > 0
     assert "engine ÷ bound" in decode_markdown(result, {"command": "kvrag bench-decode"})

@@ -12,6 +12,7 @@ from kvrag.types import Chunk
 from kvrag.cli.args import positive_int, ratio_or_auto
 from kvrag.cli.common import DEFAULT_K, add_engine_options, add_server_option
 from kvrag.defaults import (
+    DEFAULT_DRAFT_TOKENS,
     DEFAULT_METHOD,
     DEFAULT_MIN_RECOMPUTE,
     DEFAULT_RATIO,
@@ -40,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens the answer may have")
+    ask.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="N",
+                     help="tokens drafted from the prompt and checked with each decode step (the same answer in "
+                          f"fewer steps; 0: none; default {DEFAULT_DRAFT_TOKENS})")
     ask.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the same answer every time); above 0: sampled")
     ask.add_argument("--json", action="store_true", help="print answer, sources and stats as one JSON object")
     ask.add_argument("--sources", action="store_true", help="after the answer, list the chunks it read: title, file, id, first line")
@@ -78,6 +82,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         stop_at=args.stop_at,
+        draft_tokens=args.draft_tokens,
         min_recompute=args.min_recompute,
         short_context=args.short_context,
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
@@ -137,6 +142,8 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
 
     if args.evict_budget is not None:
         raise KVRagError("--evict-budget is not available through --server")
+    if args.draft_tokens != DEFAULT_DRAFT_TOKENS:
+        raise KVRagError("--draft-tokens is not available through --server (the server decodes with its default)")
     options = dict(method=args.method, recompute_ratio=args.recompute_ratio, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, params=params)
     if common.index_size(args):

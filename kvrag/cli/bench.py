@@ -7,6 +7,7 @@ import argparse
 import os
 
 from kvrag.defaults import LAYERWISE_CHOICES
+from kvrag.eval.draft_speed import DRAFT_SETS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,6 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     dc.add_argument("--repeats", type=int, default=3, help="interleaved runs per path; medians are reported (default 3)")
     dc.add_argument("--int8", action="store_true",
                     help="also the int8 decode weights (CPU, opt-in): tokens/s, its bound, and its answers against the model's own")
+    dc.add_argument("--draft-sets", default=",".join(DRAFT_SETS),
+                    help="eval-suite sets whose questions measure the drafts' speed-up and agreement; '' for none (default %(default)s)")
+    dc.add_argument("--draft-n", type=int, default=8, help="questions per draft set (default 8)")
+    dc.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
     dc.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
     dc.add_argument("--device", default=None)
     dc.set_defaults(func=_run("cmd_bench_decode"))

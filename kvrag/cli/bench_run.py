@@ -201,10 +201,16 @@ def _earlier_meta(out: Path) -> dict:
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     """`kvrag bench-decode`: see kvrag.eval.decode_speed."""
     from kvrag.eval.decode_speed import decode_markdown, run_decode_bench
+    from kvrag.eval.suite import SETS
 
     contexts = [int(x) for x in args.contexts.split(",") if x]
     rag = KVRag.from_pretrained(args.model, store="memory://", device=args.device, link_adapter=BASE_WEIGHTS)
-    result = run_decode_bench(rag, contexts, new_tokens=args.new_tokens, repeats=args.repeats, int8=args.int8)
+    sets = [x for x in args.draft_sets.split(",") if x]
+    unknown = sorted(set(sets) - set(SETS))
+    if unknown:
+        raise KVRagError(f"--draft-sets: unknown set(s) {unknown}; known: {sorted(SETS)}")
+    result = run_decode_bench(rag, contexts, new_tokens=args.new_tokens, repeats=args.repeats, int8=args.int8,
+                              data=Path(args.data_dir), draft_sets=sets, draft_n=args.draft_n)
     hw = hardware()
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hw, "model": rag.lm.source,
             "hardware_line": f"{hw.get('cpu') or hw.get('machine')}, {hw.get('cores', '?')} cores; {hw['threads']} torch threads, torch {hw['torch']}"}

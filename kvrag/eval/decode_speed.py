@@ -2,12 +2,15 @@
 
 Decoding is most of an answer's time (issue #39). Per context length, in one run and interleaved:
 - the engine's decode with the growing-cache forward (`static=False`, the CPU path before issue #39);
-- the engine's decode with its default step (static buffers, the lean step on supported models);
+- the engine's decode with its default step (static buffers, the lean step on supported models, and
+  prompt-lookup drafts: kvrag.decode.draft), and the same step without drafts;
 - stock transformers `generate` on the same prompt (greedy, KV cache): its decode rate is
   (new tokens - 1) / (time for N tokens - time for 1 token), so its prefill is not counted;
 - the bound: the bytes of weights one step must read (every parameter; a tied embedding once, read
   whole as the output layer) over the machine's measured read bandwidth (a sum over 1 GiB).
-Tokens must match: the engine's two paths and `generate` decode the same greedy tokens.
+Tokens must match: the engine's paths and `generate` decode the same greedy tokens. The first run of
+each path is reported too (nothing is compiled: the first answer after start-up pays no set-up).
+With `data`: the drafts' speed-up and agreement on real questions (kvrag.eval.draft_speed).
 
 With `int8` (on the CPU): the engine's default step over int8 decode weights (kvrag.decode.int8, opt-in)
 in the same interleaved runs, its own bound (its bytes), whether its tokens are the model's and where
@@ -20,11 +23,14 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
 from kvrag.decode.lean import lean_step, use_decode_weights
+from kvrag.defaults import DEFAULT_DRAFT_TOKENS
+from kvrag.eval.draft_speed import draft_markdown, draft_speed
 from kvrag.decode.stream import DecodeConfig, DecodeState, stream_tokens
 from kvrag.types import Chunk
 
@@ -68,15 +74,18 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
-def _engine_decode(rag: Any, question: str, chunks: list[Chunk], new_tokens: int, static: bool | None) -> tuple[float, list[int]]:
+def _engine_decode(rag: Any, question: str, chunks: list[Chunk], new_tokens: int, static: bool | None,
+                   drafts: int = DEFAULT_DRAFT_TOKENS) -> tuple[float, list[int], int]:
+    """Decode tok/s, the tokens, and the forwards they took."""
     pre = rag.prefill(question, chunks=chunks, method="full")  # the prompt `generate` reads, read as it reads it
-    cfg = DecodeConfig(max_new_tokens=new_tokens, static=static)
+    cfg = DecodeConfig(max_new_tokens=new_tokens, static=static, draft_tokens=drafts)
     state = DecodeState()
     t = time.perf_counter()
-    for _ in stream_tokens(rag.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, rag.lm.max_context):
+    for _ in stream_tokens(rag.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, rag.lm.max_context,
+                           (), pre.segments.read_ids()):
         pass
     dt = time.perf_counter() - t
-    return (len(state.token_ids) - 1) / dt if len(state.token_ids) > 1 else 0.0, state.token_ids
+    return (len(state.token_ids) - 1) / dt if len(state.token_ids) > 1 else 0.0, state.token_ids, state.forwards
 
 
 def _generate_decode(rag: Any, input_ids: torch.Tensor, new_tokens: int) -> tuple[float, list[int]]:
@@ -109,7 +118,8 @@ def int8_bytes(model: Any) -> int:
     return step.int8.nbytes + norms
 
 
-def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeats: int = 3, int8: bool = False) -> dict[str, Any]:
+def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeats: int = 3, int8: bool = False,
+                     data: Path | None = None, draft_sets: Sequence[str] = (), draft_n: int = 8) -> dict[str, Any]:
     """Decode tokens/s per context length and path (medians of `repeats` interleaved runs), and the bound."""
     bandwidth = read_bandwidth()
     wbytes = weight_bytes(rag.lm.model)
@@ -123,17 +133,22 @@ def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeat
         rag.precompute(chunks, progress=False)
         chunk_ids = [rag.layout.chunk_ids(c) for c in chunks]
         prompt_ids = rag.layout.segments(chunk_ids, question).all_ids()  # what Full Attention reads
-        speeds: dict[str, list[float]] = {"growing": [], "engine": [], "generate": [], **({"int8": []} if int8 else {})}
+        paths = (("growing", False, 0), ("engine", None, DEFAULT_DRAFT_TOKENS), ("no_drafts", None, 0))
+        paths += (("int8", None, DEFAULT_DRAFT_TOKENS),) if int8 else ()
+        speeds: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+        speeds["generate"] = []
         tokens: dict[str, list[int]] = {}
+        forwards = 0
         for _ in range(repeats):
-            for name, static in (("growing", False), ("engine", None)) + ((("int8", None),) if int8 else ()):
+            for name, static, drafts in paths:
                 use_decode_weights(model, "int8" if name == "int8" else "model")
                 try:
-                    tps, ids = _engine_decode(rag, question, chunks, new_tokens, static)
+                    tps, ids, fwd = _engine_decode(rag, question, chunks, new_tokens, static, drafts)
                 finally:
                     use_decode_weights(model, "model")
                 speeds[name].append(tps)
                 tokens[name] = ids
+                forwards = fwd if name == "engine" else forwards
             if prompt_ids is not None:
                 tps, ids = _generate_decode(rag, torch.tensor([prompt_ids], device=rag.lm.device), new_tokens)
                 speeds["generate"].append(tps)
@@ -142,7 +157,9 @@ def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeat
         row = {"context_tokens": pre.stats.prompt_tokens, "new_tokens": len(tokens["engine"])}
         for name, vals in speeds.items():
             row[f"{name}_tok_s"] = round(statistics.median(vals), 2) if vals else None
-        row["engine_same_tokens_as_growing"] = tokens["engine"] == tokens["growing"]
+            row[f"{name}_first_tok_s"] = round(vals[0], 2) if vals else None
+        row["tokens_per_forward"] = round((len(tokens["engine"]) - 1) / forwards, 2) if forwards else None
+        row["engine_same_tokens_as_growing"] = tokens["engine"] == tokens["growing"] == tokens["no_drafts"]
         row["generate_same_tokens"] = tokens.get("generate") == tokens["engine"] if "generate" in tokens else None
         if int8:
             row["int8_first_difference"] = first_difference(tokens["int8"], tokens["engine"])
@@ -154,6 +171,8 @@ def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeat
         out["int8_weights_bytes"] = int8_bytes(model)
         out["int8_bound_tok_s"] = round(bandwidth / out["int8_weights_bytes"], 1)
         out["int8_agreement"] = int8_agreement(rag, new_tokens)
+    if data is not None and draft_sets:
+        out["drafts"] = draft_speed(rag, data, draft_sets, draft_n, new_tokens)
     return out
 
 
@@ -196,16 +215,23 @@ def decode_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         "# kvrag bench-decode", "", f"`{meta.get('command', '')}`", "",
         f"hardware: {meta.get('hardware_line', '')}; model: {meta.get('model', '')} ({result['dtype']}); greedy, one stream; "
         f"medians of {result['repeats']} interleaved runs. Bound: {result['weights_bytes'] / 1e6:.0f} MB of weights read per token "
-        f"at {result['read_gb_s']} GB/s (a torch sum over 1 GiB) = **{b} tok/s**.", "",
-        "| context tokens | new tokens | engine (default step) | growing-cache step | stock `generate` | engine ÷ bound | same tokens (engine = growing; = generate) |",
-        "|---|---|---|---|---|---|---|",
+        f"at {result['read_gb_s']} GB/s (a torch sum over 1 GiB) = **{b} tok/s** for one token per read of the weights; "
+        f"with drafts (kvrag.decode.draft, {DEFAULT_DRAFT_TOKENS} a step, the default) one read serves several tokens. "
+        "Nothing is compiled: the first run of each path (after start-up) is shown beside the median.", "",
+        "| context tokens | new tokens | engine (default: drafts) | first run | without drafts | growing-cache step | stock `generate` "
+        "| engine ÷ bound | without drafts ÷ bound | tokens per forward | same tokens (engine = no drafts = growing; = generate) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         gen = "–" if r["generate_tok_s"] is None else f"{r['generate_tok_s']:.1f}"
         lines.append(
-            f"| {r['context_tokens']} | {r['new_tokens']} | **{r['engine_tok_s']:.1f}** | {r['growing_tok_s']:.1f} | {gen} | "
-            f"{100 * r['engine_tok_s'] / b:.0f}% | {r['engine_same_tokens_as_growing']}; {r['generate_same_tokens']} |"
+            f"| {r['context_tokens']} | {r['new_tokens']} | **{r['engine_tok_s']:.1f}** | {r['engine_first_tok_s']:.1f} | "
+            f"{r['no_drafts_tok_s']:.1f} | {r['growing_tok_s']:.1f} | {gen} | {100 * r['engine_tok_s'] / b:.0f}% | "
+            f"{100 * r['no_drafts_tok_s'] / b:.0f}% | {r['tokens_per_forward']} | "
+            f"{r['engine_same_tokens_as_growing']}; {r['generate_same_tokens']} |"
         )
+    if "drafts" in result:
+        lines += draft_markdown(result["drafts"])
     if "int8_bound_tok_s" in result:
         b8, a = result["int8_bound_tok_s"], result["int8_agreement"]
         lines += [
