@@ -6,7 +6,9 @@ a forward over three rows costs little more than over one (a step reads the weig
 plus a few drafted ones; the model's own logits at each row say which drafts it would have picked
 itself (kvrag.decode.static keeps them and serves the next steps from them). A draft the model would
 not pick costs only its row: the answer is the model's own, token for token (greedy), and sampled
-answers draw from the model's own distributions. The drafts come from the prompt and the answer so far,
+answers draw from the model's own distributions. (A row's logits differ from a one-row step's only in
+the float order of the projections, one matrix product for all rows, as in batching: the tests and
+`kvrag bench-decode` check that no answer changes.) The drafts come from the prompt and the answer so far,
 never from another model, so nothing is learned or downloaded.
 
 The lookup: the longest of the last 3, 2 or 1 tokens that occurred earlier (its latest occurrence) and
