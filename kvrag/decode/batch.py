@@ -5,15 +5,15 @@ about the same for eight rows as for one. Concurrent answers (the server's reque
 its own thread) used to take turns at the model lock, one token each; here they meet.
 
 How: every open `StaticDecoder` that decodes without a graph registers with its model's `Batcher`.
-A step call hands over (its buffers, token, position, slot) and waits. The first caller that finds no
+A step call hands over (its buffers, token(s), first position, first slot) and waits. The first caller that finds no
 step running leads: it waits (at most `window_s`) until every registered sequence has handed over its
 next token, then runs `LeanStep.many` under the model lock for all of them and wakes each with its
 own logits. Sequences join whenever they make their first step and leave when they close (an answer
 that ended, or a stream its client abandoned: closed by the generator's cleanup), so the batch is
-re-formed every step. A sequence decoding alone may add drafted tokens to its call (kvrag.decode.draft):
-its rows then ride the same forward, each seeing its own predecessors. Token choice, stop rules and sampling stay in each request's own loop
-(`kvrag.decode.stream`): a batched answer picks its tokens from its own logits with its own
-generator. Each row attends over its own slots exactly as alone; only the projections' float order
+re-formed every step. A sequence decoding alone may add drafted tokens to its call
+(kvrag.decode.draft): their rows ride the same forward, each seeing the rows before it. Token choice,
+stop rules and sampling stay in each request's own loop (`kvrag.decode.stream`): a batched answer
+picks its tokens from its own logits with its own generator. Each row attends over its own slots exactly as alone; only the projections' float order
 may differ (one matrix product for all rows), which the tests check does not change greedy answers.
 """
 
