@@ -27,6 +27,13 @@ def test_top_k_zero_is_refused_by_the_parser(capsys):
     assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value, says", [("-1", "at least 0"), ("9", "at most 8"), ("two", "a whole number")])
+def test_a_bad_draft_count_is_refused_by_the_parser(capsys, value, says):
+    with pytest.raises(SystemExit) as info:
+        main(["ask", "Why?", "--draft-tokens", value])
+    assert info.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.smollm
 def test_parameters_without_a_method_are_checked_against_the_engines_default(tmp_path, capsys, smollm):
     from kvrag.defaults import kvrag_home

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
-from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
+from kvrag.defaults import MAX_DRAFT_TOKENS, SHIPPED_SPECS, names_no_adapter
 
 
 def _bounded(cast: Callable[[str], float], what: str, lo: float | None = None, hi: float | None = None) -> Callable[[str], float]:
@@ -25,6 +25,7 @@ def _bounded(cast: Callable[[str], float], what: str, lo: float | None = None, h
 
 
 positive_int = _bounded(int, "a whole number", lo=1)
+draft_count = _bounded(int, "a whole number", lo=0, hi=MAX_DRAFT_TOKENS)
 nonneg_float = _bounded(float, "a number", lo=0)
 _unit = _bounded(float, "a number in [0, 1] or 'auto'", lo=0, hi=1)
 

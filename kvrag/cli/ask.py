@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from kvrag.cli import common
 from kvrag.types import Chunk
-from kvrag.cli.args import positive_int, ratio_or_auto
+from kvrag.cli.args import draft_count, positive_int, ratio_or_auto
 from kvrag.cli.common import DEFAULT_K, add_engine_options, add_server_option
 from kvrag.defaults import (
     DEFAULT_DRAFT_TOKENS,
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens the answer may have")
-    ask.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="N",
+    ask.add_argument("--draft-tokens", type=draft_count, default=DEFAULT_DRAFT_TOKENS, metavar="N",
                      help="tokens drafted from the prompt and checked with each decode step (the same answer in "
                           f"fewer steps; 0: none; default {DEFAULT_DRAFT_TOKENS})")
     ask.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the same answer every time); above 0: sampled")
