@@ -240,6 +240,7 @@ def test_health_and_metrics(http, live):
     # the batched decoder's counts: the answers above decoded through it (issue #35)
     assert m[("kvrag_decode_steps", ())] >= 1 and m[("kvrag_decode_rows", ())] >= m[("kvrag_decode_steps", ())]
     assert m[("kvrag_decode_batch_largest", ())] >= 1
+    assert ("kvrag_draft_tokens_served_total", ()) in m  # prompt-lookup drafts the model agreed with (issue #39)
 
 
 def test_two_apps_in_one_process_have_their_own_metrics(rag):

@@ -29,6 +29,8 @@ class ServerMetrics:
         self.bytes_loaded = Counter("kvrag_bytes_loaded", "Bytes of chunk KV loaded from the store", registry=r)
         self.recomputed = Counter("kvrag_recomputed_tokens", "Chunk tokens recomputed by the selected method", registry=r)
         self.generated = Counter("kvrag_generated_tokens", "Tokens generated", registry=r)
+        self.drafts_served = Counter("kvrag_draft_tokens_served", "Tokens served from a prompt-lookup draft the model agreed "
+                                     "with, without a forward of their own (kvrag.decode.draft)", registry=r)
         self.rejected = Counter("kvrag_rejected_busy", "Requests refused with 503 because the queue was full", registry=r)
         self.abandoned = Counter("kvrag_abandoned_requests", "Requests dropped because their client disconnected, by stage "
                                  "(queued: never started; prefilled: nothing decoded; decoding: stopped early)", ["stage"], registry=r)
@@ -53,6 +55,7 @@ class ServerMetrics:
         self.bytes_loaded.inc(stats.bytes_loaded)
         self.recomputed.inc(stats.recomputed_tokens)
         self.generated.inc(stats.generated_tokens)
+        self.drafts_served.inc(stats.draft_accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
