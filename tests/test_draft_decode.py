@@ -33,6 +33,20 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     assert look.propose(0) == []
 
 
+def test_the_bulk_index_is_the_one_appending_builds():
+    rng = torch.Generator().manual_seed(0)
+    for length in (0, 1, 2, 3, 7, 40):
+        ids = [int(t) for t in torch.randint(0, 5, (length,), generator=rng)]
+        bulk, grown = PromptLookup(ids), PromptLookup([])
+        for t in ids:
+            grown.append(t)
+        assert bulk._after == grown._after and bulk.ids == grown.ids
+        for t in (1, 2, 1, 3):
+            bulk.append(t)
+            grown.append(t)
+            assert bulk.propose(3) == grown.propose(3)
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def rag(request):
     rag = KVRag(from_model(tiny_model(request.param), tiny_tokenizer()), store="memory://", check=False)
