@@ -18,7 +18,7 @@ from kvrag.eval.report import load_records, markdown_table, merge_records, summa
 from kvrag.eval.runner import Setting, hardware, make_settings, parse_method, run, split_methods
 from kvrag.eval.store_bench import run_store_bench, store_markdown
 from kvrag.eval.speed import RANDOM_WEIGHTS_NOTE, SweepOptions, parse_sizes, random_model, speed_markdown, speed_sweep, write_speed
-from kvrag.model.loading import load_model, load_tokenizer
+from kvrag.model.loading import load_tokenizer
 
 QUICK = {"n": 4, "ratios": "0.15,0.3", "max_new_tokens": 8, "contexts": "256,512,1k", "chunk_tokens": 128, "repeats": 1}
 
