@@ -35,9 +35,11 @@ DEFAULT_SHORT_CONTEXT = 768
 DEFAULT_STOP_AT = "sentence"
 
 STOP_RULES = ("none", "line", "sentence")  # when an answer is complete (kvrag.decode.stream)
-# Prompt-lookup drafts fed with each CPU decode step (kvrag.decode.draft): the answer stays the model's
-# own, token for token. Measured on the bundled model (1.3k context, 2 cores): a forward over 1, 3 and 5
-# rows took 58, 66 and 92 ms; with 2 drafts the sample's questions decoded 1.4x faster, with 3 only 1.2x.
+# Prompt-lookup drafts fed with each CPU decode step (kvrag.decode.draft) of a float32 model: the answer
+# stays the model's own, token for token. Measured on the bundled model (1.3k context, 2 cores): a forward
+# over 1, 3 and 5 rows took 58, 66 and 92 ms; with 2 drafts the sample's questions decoded 1.4x faster,
+# with 3 only 1.2x. Not by default in bfloat16/float16 (DecodeConfig.drafts_for): there a three-row
+# step's rounding changed 12 of the sample's 36 answers (64 tokens), so drafts are opt-in there.
 DEFAULT_DRAFT_TOKENS = 2
 MAX_DRAFT_TOKENS = 8
 

@@ -18,7 +18,6 @@ OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute",
 DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static", "draft_tokens")
 
 from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
-    DEFAULT_DRAFT_TOKENS,
     DEFAULT_METHOD,
     DEFAULT_MIN_RECOMPUTE,
     DEFAULT_RATIO,
@@ -50,7 +49,7 @@ def decode_config(
     seed: int | None = None,
     stop_at: str = DEFAULT_STOP_AT,
     static: bool | None = None,
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    draft_tokens: int | None = None,
 ) -> DecodeConfig:
     """A DecodeConfig from the keyword arguments users pass (`stop` may be one string)."""
     stops = [stop] if isinstance(stop, str) else list(stop or ())

@@ -41,9 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens the answer may have")
-    ask.add_argument("--draft-tokens", type=draft_count, default=DEFAULT_DRAFT_TOKENS, metavar="N",
-                     help="tokens drafted from the prompt and checked with each decode step (the same answer in "
-                          f"fewer steps; 0: none; default {DEFAULT_DRAFT_TOKENS})")
+    ask.add_argument("--draft-tokens", type=draft_count, default=None, metavar="N",
+                     help="tokens drafted from the prompt and checked with each decode step (fewer steps; 0: none; "
+                          f"default {DEFAULT_DRAFT_TOKENS} for float32 models, where answers stay the same, else 0)")
     ask.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the same answer every time); above 0: sampled")
     ask.add_argument("--json", action="store_true", help="print answer, sources and stats as one JSON object")
     ask.add_argument("--sources", action="store_true", help="after the answer, list the chunks it read: title, file, id, first line")
@@ -142,7 +142,7 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
 
     if args.evict_budget is not None:
         raise KVRagError("--evict-budget is not available through --server")
-    if args.draft_tokens != DEFAULT_DRAFT_TOKENS:
+    if args.draft_tokens is not None:
         raise KVRagError("--draft-tokens is not available through --server (the server decodes with its default)")
     options = dict(method=args.method, recompute_ratio=args.recompute_ratio, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, params=params)
