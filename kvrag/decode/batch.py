@@ -33,7 +33,6 @@ from kvrag.model.home_thread import on_home
 KV = tuple[torch.Tensor, torch.Tensor]
 WINDOW_S = 0.005  # how long a step's leader waits for the other registered sequences' next tokens
 MAX_BATCH = 32  # rows in one forward at most
-DRAFT_ROWS = 2  # drafted tokens a sequence may add to its step when it decodes alone (none when others do)
 
 
 @dataclass(eq=False)
@@ -80,12 +79,12 @@ class Batcher:
             self._open = max(0, self._open - 1)
             self._cond.notify_all()
 
-    def draft_room(self) -> int:
-        """How many drafted tokens a sequence may add to its next step: some when it decodes alone,
-        none while others decode (their rows already fill the forward, and a sequence served from its
-        drafts would keep the others waiting for its call)."""
+    def drafts_allowed(self) -> bool:
+        """Whether a sequence may add drafted tokens to its next step (as many as its DecodeConfig
+        asks): only while it decodes alone; others' rows already fill the forward, and a sequence
+        served from its drafts would keep the others waiting for its call."""
         with self._cond:
-            return DRAFT_ROWS if self._open <= 1 else 0
+            return self._open <= 1
 
     def step(self, buffers: Sequence[KV], tokens: Sequence[int], position: int, slot: int) -> torch.Tensor:
         """This sequence's logits [len(tokens), vocab]: row i after `tokens[: i + 1]`, the tokens fed at

@@ -178,10 +178,9 @@ class StaticDecoder:
 
     def _drafts(self, slot: int) -> list[int]:
         """Tokens to feed after this step's, within the reserved room (none when others decode too)."""
-        if self._lookup is None or self._batcher is None:
+        if self._lookup is None or not self._batcher.drafts_allowed():  # a lookup implies a batcher
             return []
-        room = min(self.draft_tokens, self.capacity - slot - 1, self._batcher.draft_room())
-        return self._lookup.propose(room)
+        return self._lookup.propose(min(self.draft_tokens, self.capacity - slot - 1))
 
     def _locked(self, token: int, position: int, slot: int) -> torch.Tensor:
         with self._lock:
