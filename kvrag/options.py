@@ -15,7 +15,7 @@ from kvrag.methods import Method, get_method
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
 OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context")  # AnswerOptions' own keyword fields
-DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "stop_at", "static", "draft_tokens")
+DECODE_KEYS = tuple(f.name for f in dataclasses.fields(DecodeConfig))  # the decode settings, as keywords
 
 from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
     DEFAULT_METHOD,
@@ -98,11 +98,7 @@ class AnswerOptions:
             raise TypeError("pass either options= or keyword options, not both")
         dec = {k: kwargs.pop(k) for k in DECODE_KEYS if k in kwargs}
         if dec:
-            cur = base.decode
-            merged = {"max_new_tokens": cur.max_new_tokens, "temperature": cur.temperature, "top_p": cur.top_p,
-                      "stop": list(cur.stop), "seed": cur.seed, "stop_at": cur.stop_at, "static": cur.static,
-                      "draft_tokens": cur.draft_tokens, **dec}
-            fields["decode"] = decode_config(**merged)
+            fields["decode"] = decode_config(**{**{k: getattr(base.decode, k) for k in DECODE_KEYS}, **dec})
         inherited = {} if "method" in fields else dict(base.method_params)  # another method: not the old one's parameters
         if kwargs or inherited != dict(base.method_params):
             fields["method_params"] = {**inherited, **kwargs}

@@ -283,10 +283,10 @@ def stream_tokens(
         yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position, headers)
     finally:  # also when the stream is abandoned: the cache reads as decoded so far
         forward.close()
-        state.setup_s = forward.step.setup_s if forward.step is not None else 0.0
-        state.weights = forward.step.weights if forward.step is not None else "model"
-        state.forwards = forward.step.forwards if forward.step is not None else 0
-        state.accepted = forward.step.accepted if forward.step is not None else 0
+        step = forward.step
+        if step is not None:  # else no forward ran: the state's defaults hold
+            state.setup_s, state.weights = step.setup_s, step.weights
+            state.forwards, state.accepted = step.forwards, step.accepted
 
 
 class LazyStep:
