@@ -186,3 +186,32 @@ def test_train_links_command(tmp_path):
     header = read_adapter_header(tmp_path / "run" / "adapter.safetensors")
     assert header["data"][0]["rows"] == "0:4" and header["training"]["steps"] == 2
     assert (tmp_path / "run" / "loss.png").exists() and (tmp_path / "run" / "train_summary.json").exists()
+
+
+def test_fitted_schedule_ends_inside_the_time_left_and_never_grows():
+    from kvrag.training.loop import FIT_MARGIN_S, fitted_total
+
+    # 10 s a step, 5 minutes left: 27 more steps fit once the margin for the last save is kept back
+    assert fitted_total(4, 100, 10.0, 300.0) == 4 + int((300 - FIT_MARGIN_S) / 10)
+    assert fitted_total(4, 20, 10.0, 3000.0) == 20  # never longer than planned
+    assert fitted_total(4, 100, 10.0, 5.0) == 5  # out of time: one more step, then the schedule's end
+
+
+def test_fit_schedule_shortens_a_run_to_its_budget(tmp_path, monkeypatch):
+    import kvrag.training.loop as train_mod
+
+    rag = make_rag()
+    base = dict(mode="links", link_tokens=1, max_chunks=4, batch_size=1, grad_accum=1, max_steps=40, progress=False,
+                store="memory://", warmup=1, save_every=0)
+    seen, real = {}, train_mod.fitted_total
+
+    def fit(step, total, per_step, left):  # the real formula on a fixed clock: 10 s a step, a minute left
+        seen.update(step=step, total=total)
+        return real(step, total, 10.0, 60.0)
+
+    monkeypatch.setattr(train_mod, "fitted_total", fit)
+    res = train(TrainConfig(out=str(tmp_path), max_minutes=5, fit_schedule=True, **base), lm=rag.lm, rows=rows(6))
+    assert seen == {"step": train_mod.FIT_AFTER_STEPS, "total": 40}
+    assert res.steps == train_mod.FIT_AFTER_STEPS + 3 and not res.stopped_early  # (60 - 30) / 10 more steps
+    header = read_adapter_header(res.adapter_path)["training"]
+    assert header["total_steps"] == res.steps and header["examples_seen"] == res.steps

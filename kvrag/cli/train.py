@@ -48,6 +48,9 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--max-minutes", type=float, default=None, help="stop and save after this long")
+    p.add_argument("--fit-schedule", action="store_true",
+                   help="with --max-minutes: time the first steps, then shorten the schedule (warm-up, cosine decay) "
+                        "so it ends inside the budget; the run then sees fewer rows than planned (the summary says how many)")
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--grad-checkpointing", action="store_true")
@@ -98,6 +101,7 @@ def cmd_train_links(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         max_tokens=args.max_tokens,
         max_minutes=args.max_minutes,
+        fit_schedule=args.fit_schedule,
         device=args.device,
         dtype=args.dtype,
         grad_checkpointing=args.grad_checkpointing,

@@ -40,6 +40,7 @@ class TrainConfig:
     save_every: int = 25
     max_tokens: int = 2048  # longest example; trailing non-gold passages are dropped to fit
     max_minutes: float | None = None  # stop (and save) after this long
+    fit_schedule: bool = False  # with max_minutes: once a few steps are timed, end the cosine schedule inside the budget
     device: str = "auto"
     dtype: str = "auto"
     grad_checkpointing: bool = False

@@ -118,6 +118,18 @@ def plot_losses(losses: Sequence[float], path: Path, title: str = "", ylabel: st
     return path
 
 
+FIT_AFTER_STEPS = 4  # steps timed before --fit-schedule shortens the schedule
+FIT_MARGIN_S = 30.0  # kept back for the last checkpoint and the adapter's export
+
+
+def fitted_total(step: int, total: int, seconds_per_step: float, seconds_left: float) -> int:
+    """The schedule's length when the remaining steps must end within `seconds_left` (never longer
+    than planned, never shorter than the steps already taken plus one): why: a lent machine's time is
+    fixed, and a cosine schedule cut off by --max-minutes would stop at a high learning rate."""
+    affordable = int(max(0.0, seconds_left - FIT_MARGIN_S) / max(seconds_per_step, 1e-9))
+    return max(step + 1, min(total, step + affordable))
+
+
 def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | None = None, provenance: list[dict] | None = None) -> TrainResult:
     """Run (or resume) a training; `lm`/`rows` let tests pass a model and data directly."""
     t_start = time.perf_counter()
@@ -193,7 +205,13 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     bar = tqdm(total=total, initial=step, desc=f"train-links ({what})", unit="step", disable=not cfg.progress)
     feed = micro_batches(len(rows), cfg, step * cfg.grad_accum)
     stopped_early = False
+    first_step, t_loop = step, time.perf_counter()
     while step < total:
+        if cfg.fit_schedule and cfg.max_minutes is not None and step == first_step + FIT_AFTER_STEPS:
+            total = fitted_total(step, total, (time.perf_counter() - t_loop) / FIT_AFTER_STEPS,
+                                 cfg.max_minutes * 60 - (time.perf_counter() - t_start))
+            bar.total = total
+            bar.refresh()
         if cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes:
             stopped_early = True
             break
@@ -240,6 +258,7 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
         "device": str(device),
         "torch": torch.__version__,
         "stopped_early": stopped_early,
+        "examples_seen": step * cfg.batch_size * cfg.grad_accum,
     }
     if teacher is not None:
         header["training"]["teacher_generated"] = teacher.generated  # targets computed by this process (not read from OUT/teacher)

@@ -10,6 +10,13 @@
 #   bash scripts/gpu/device.sh speed 8b 'host://?pin=1'      (STORE: memory:// | host://?pin=1 | disk | default)
 #   bash scripts/gpu/device.sh speed 8b disk light           (reuse + epic only: fits one call beside others)
 #
+# Issue #34's distilled adapter needs the real bundled model, whose 98 MB GGUF is more than one call
+# carries (64 MiB with the checkout). prepare.sh --distill cuts it into .gg1/.gg2/.gg3 (and packs the
+# training data into .gpu/data); three calls in a row, each inside the 30 s a machine stays warm:
+#   carry [".gpu", ".gg1"]: bash scripts/gpu/device.sh setup && bash scripts/gpu/device.sh stash 1
+#   carry [".gg2"]:         bash scripts/gpu/device.sh stash 2
+#   carry [".gg3"]:         bash scripts/gpu/device.sh stash 3 && bash scripts/gpu/device.sh distill MINUTES
+#
 # Random-weight shapes need only a tokenizer, so no call carries the 98 MB GGUF. What comes back
 # lies in $OUT (at most 8 files a call, 16 MB each). Every timing there is CUDA-synchronised.
 set -uo pipefail
@@ -34,7 +41,7 @@ setup() {
   fi
   rm -rf "$SITE"/kvrag "$SITE"/kvrag-*.dist-info "$W/tokenizer"
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" "$REPO" 2>&1 | grep -v "already exists" || true
-  [ -d "$SITE/kvrag/store_admin" ] || { echo "kvrag did not install"; return 1; }
+  [ -f "$SITE/kvrag/training/loop.py" ] || { echo "kvrag did not install"; return 1; }
   cp -r .gpu/tokenizer "$W/tokenizer" || return 1
   echo "$tree" > "$W/.ready"
   py -c "import torch, transformers, kvrag; print('torch', torch.__version__, 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
@@ -72,11 +79,32 @@ store() {  # issue #22: each tier's read bandwidth beside plain reads and host-t
   py -m kvrag.eval.store_bench "$W/store" --tiers-only --rounds 30 2>&1 | tee "$OUT/store-tiers.md" | tail -15
 }
 
-step=${1:?usage: device.sh setup|tests|gate|store|speed 8b|1b STORE [light]}
+stash() {  # a part of the bundled GGUF, kept on the warm machine until the last part comes
+  mkdir -p "$W/gguf" && cp ".gg$1"/p"$1" "$W/gguf/" && ls -l "$W/gguf"
+  [ -d .gpu/data ] && { mkdir -p "$W/data" && tar xzf .gpu/data/data.tgz -C "$W/data" && cp .gpu/data/gguf.sha256 "$W/data/"; }
+  return 0
+}
+
+distill() {  # issue #34: the self-distilled reuse adapter, its schedule fitted to MINUTES; what comes back: $OUT
+  local minutes=${1:?minutes} g="$W/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" d="$W/data"
+  cat "$W/gguf"/p1 "$W/gguf"/p2 "$W/gguf"/p3 > "$g" || return 1
+  [ "$(sha256sum "$g" | cut -d' ' -f1)" = "$(cat "$d/gguf.sha256")" ] || { echo "GGUF parts do not match"; return 1; }
+  py -m kvrag.train --objective distill --mode lora --link-tokens 5 --model "$g" \
+    --data "$d/nq10_dev.jsonl@0:1200" --data "$d/musique_dev.jsonl@0:100" --data "$d/kv75_dev.jsonl@0:200" \
+    --data "$d/facts-train.jsonl@0:300" --teacher-tokens 32 --continue-share 0.5 --min-chunks 1 --lr 5e-5 \
+    --batch-size 1 --grad-accum 8 --epochs 1 --seed 0 --save-every 10 --device cuda --dtype float32 \
+    --max-minutes "$minutes" --fit-schedule --out "$W/distill5" 2>&1 | tee "$OUT/distill-train.log" | tail -15
+  cp "$W/distill5/adapter.safetensors" "$W/distill5/train_summary.json" "$W/distill5/loss.png" "$OUT/" 2>/dev/null
+  ls -l "$OUT"
+}
+
+step=${1:?usage: device.sh setup|tests|gate|store|speed 8b|1b STORE [light]|stash N|distill MINUTES}
 shift
 case $step in
   setup) setup ;;
   tests | gate | store) setup && "$step" "$@" ;;
   speed) setup && speed "$@" ;;
+  stash) stash "$@" ;;
+  distill) setup && distill "$@" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
