@@ -5,9 +5,11 @@ weights (issue #39: 17 tok/s against a ~63 tok/s weights-read bound for the bund
 forward spends much of a step on what a fixed-shape step does not need: building the mask, the cache
 object's bookkeeping, output dataclasses, keyword plumbing through every layer. This step calls the
 same submodules in the same order as the decoder layers' own forwards (norms, projections, RoPE, the
-configured attention function, MLP), so its logits are bit-identical to the stock forward over the
-same static buffers (tests/test_lean_decode.py checks every supported architecture), and it is a
-plain function of tensors that `torch.compile` can take whole.
+configured attention function, MLP), so its batched steps (`many`, the CPU's) are bit-identical to the
+stock forward; the one-sequence static step (`__call__`, the one a CUDA graph captures) attends over
+its whole buffer with `_attend_one` instead (grouped heads, two matrix products: SDPA's kernels are
+slow at one query row on a GPU), equal to the stock forward up to float rounding
+(tests/test_lean_decode.py checks every supported architecture). It is a plain function of tensors.
 
 One step serves one or many sequences: tokens and positions are [B, 1], the KV buffers
 [B, kv_heads, capacity, head_dim], `slot` [B] (where each sequence writes this step) and the mask
@@ -81,6 +83,8 @@ class LeanStep:
             kbuf, vbuf = buffers[i]
             _write(kbuf, k, slot)
             _write(vbuf, v, slot)
+            if q.shape[0] == 1:  # the static (CUDA-graph) step: one sequence over its whole buffer
+                return _attend_one(q, kbuf, vbuf, mask, attn.scaling)
             return self.attend(attn, q, kbuf, vbuf, mask, dropout=0.0, scaling=attn.scaling)[0]
 
         return self._forward(tokens, positions, attend)
@@ -151,6 +155,22 @@ class LeanStep:
         v = v.transpose(1, 2)
         q, k = self.apply_rotary(q, k, cos, sin)
         return q, k, v
+
+
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One query row (q [1, heads, 1, d]) over a whole fixed-size buffer (k, v [1, kv_heads, S, d]) with an
+    additive `mask` [1, 1, 1, S], as transformers' eager attention computes it (scores in the model's
+    dtype, softmax in float32) but with the query heads that share a K/V head stacked along the query
+    axis, so the K/V are read once and never repeated per head. Why not SDPA: with a mask it repeats K/V
+    per head, and at one query row its fused kernels walk the keys in one block per head (on an H200,
+    cuDNN's took 174 us a layer at 8k for Llama-8B, 44% of a decode step: docs/bench/gpu-h200), while
+    two batched matrix products spread the keys over the whole GPU. Returns [1, 1, heads, d]."""
+    _, heads, _, d = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(1, kv_heads, heads // kv_heads, d)  # query head h = kv head h // group, as repeat_kv pairs them
+    scores = torch.matmul(grouped, k.transpose(-1, -2)) * scaling + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v).reshape(1, heads, 1, d).transpose(1, 2)
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:

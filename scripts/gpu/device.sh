@@ -9,6 +9,7 @@
 #   bash scripts/gpu/device.sh tests; bash scripts/gpu/device.sh gate; bash scripts/gpu/device.sh store;
 #   bash scripts/gpu/device.sh speed 8b 'host://?pin=1'      (STORE: memory:// | host://?pin=1 | disk | default)
 #   bash scripts/gpu/device.sh speed 8b disk light           (reuse + epic only: fits one call beside others)
+#   bash scripts/gpu/device.sh decode                         (issue #39: 8B decode at 8k + a profile, ~50 s)
 #
 # Issue #34's distilled adapter needs the real bundled model, whose 98 MB GGUF is more than one call
 # carries (64 MiB with the checkout). prepare.sh --distill cuts it into .gg1/.gg2/.gg3 (and packs the
@@ -79,6 +80,13 @@ store() {  # issue #22: each tier's read bandwidth beside plain reads and host-t
   py -m kvrag.eval.store_bench "$W/store" --tiers-only --rounds 30 2>&1 | tee "$OUT/store-tiers.md" | tail -15
 }
 
+decode() {  # issue #39 item 4: the 8B bf16 decode rate at 8k (reuse's prefill, 256 tokens), then where a step's time goes
+  kvrag bench speed --model "$W/tokenizer" --store memory:// --shape llama-3.1-8b --random-weights --device cuda --dtype bfloat16 \
+    --contexts 8k --chunk-tokens 512 --methods reuse --repeats 1 --decode-tokens 256 --out "$W/decode-8b" 2>&1 | grep -v "it/s" | tail -8
+  cp "$W/decode-8b/speed.md" "$OUT/decode-8b-8k.md"; cp "$W/decode-8b/speed.json" "$OUT/decode-8b-8k.json"
+  py "$REPO/scripts/gpu/decode_profile.py" "$W/tokenizer" 2>&1 | grep -v "it/s\|Warn" | tee "$OUT/decode-8b-8k-profile.txt" | head -4
+}
+
 stash() {  # a part of the bundled GGUF, kept on the warm machine until the last part comes
   mkdir -p "$W/gguf" && cp ".gg$1"/p"$1" "$W/gguf/" && ls -l "$W/gguf"
   [ -d .gpu/data ] && { mkdir -p "$W/data" && tar xzf .gpu/data/data.tgz -C "$W/data" && cp .gpu/data/gguf.sha256 "$W/data/"; }
@@ -104,6 +112,7 @@ case $step in
   setup) setup ;;
   tests | gate | store) setup && "$step" "$@" ;;
   speed) setup && speed "$@" ;;
+  decode) setup && decode ;;
   stash) stash "$@" ;;
   distill) setup && distill "$@" ;;
   *) echo "unknown step $step"; exit 2 ;;
