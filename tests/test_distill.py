@@ -283,7 +283,7 @@ def test_distill_settings_and_their_command_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", ["links", "lora"])
 def test_distill_runs_on_cuda(tmp_path, mode, dtype):
     lm = from_model(tiny_model("llama").to("cuda", dtype), tiny_tokenizer())
-    cfg = TrainConfig(out=str(tmp_path), mode=mode, link_tokens=2, max_chunks=4, max_steps=2, grad_accum=1, lora_r=2, store="memory://",
+    cfg = TrainConfig(out=str(tmp_path), mode=mode, link_tokens=2, max_chunks=4, max_steps=2, grad_accum=2, lora_r=2, store="memory://",
                       progress=False, objective="distill", teacher_tokens=4, teacher_topk=16 if dtype == torch.bfloat16 else 0)
     res = train(cfg, lm=lm, rows=qa_rows(3))
     assert res.steps == 2 and all(math.isfinite(x) and x >= 0 for x in res.losses)
@@ -291,3 +291,45 @@ def test_distill_runs_on_cuda(tmp_path, mode, dtype):
     ans = tuned.answer("What is answer 0?", chunks=distill_example(tuned.layout, qa_rows(1)[0], cfg, 0, 0).chunks, method="kvlink",
                        max_new_tokens=2)
     assert ans.stats.generated_tokens > 0 and tuned.lm.device.type == "cuda"
+
+
+@pytest.mark.parametrize("topk", [0, 8])
+def test_batched_teacher_gives_each_prompt_its_own_targets(topk):
+    """The step's teacher runs its prompts together (left-padded): each prompt's continuation and
+    log-probs are the ones it gets alone, an early end of turn included (one row stops, the rest go on)."""
+    from kvrag.training.distill import generate_targets, generate_targets_many
+
+    rag = make_rag()
+    cfg = distill_cfg(min_chunks=1, teacher_tokens=6)
+    prompts = [teacher_prompt_ids(distill_example(rag.layout, row, cfg, 0, i)) for i, row in enumerate(qa_rows(4))]
+    assert len({len(p) for p in prompts}) > 1  # different lengths: padding is exercised
+    model = rag.lm.model
+    free = [generate_targets(model, p, 6, [], topk).tokens for p in prompts]
+    b, j = next((b, j) for b, toks in enumerate(free) for j in range(1, 6) if toks[j] not in toks[:j])
+    eos = [free[b][j]]  # a later token of prompt b ends its turn there
+    alone = [generate_targets(model, p, 6, eos, topk) for p in prompts]
+    together = generate_targets_many(model, prompts, 6, eos, topk, batched=True)
+    assert len(alone[b].tokens) == j + 1 and any(len(a.tokens) > j + 1 for a in alone)
+    for a, t in zip(alone, together):
+        assert t.tokens == a.tokens and t.logp.shape == a.logp.shape
+        torch.testing.assert_close(t.logp, a.logp, rtol=1e-4, atol=1e-4)
+        if topk:
+            assert torch.equal(t.index, a.index)
+
+
+def test_a_step_generates_its_targets_once_and_together(monkeypatch):
+    """One batched generation per optimizer step for all its micro-batches; the micro-batches then
+    read them from memory, and a repeated example is generated once."""
+    import kvrag.training.distill as distill_mod
+
+    rag = make_rag()
+    cfg = distill_cfg(min_chunks=1)
+    teacher = Teacher(rag.lm.model, eos_ids(rag.lm), cfg.teacher_tokens)
+    calls = []
+    real = distill_mod.generate_targets_many
+    monkeypatch.setattr(distill_mod, "generate_targets_many", lambda m, prompts, *a: calls.append(len(prompts)) or real(m, prompts, *a))
+    examples = [distill_example(rag.layout, row, cfg, 0, i) for i, row in enumerate(qa_rows(3))]
+    first = teacher.targets_many(examples + examples[:1])
+    assert calls == [3] and teacher.generated == 3 and first[0] is first[3]
+    _, again = teacher.attach(examples[1:])
+    assert calls == [3] and again[0] is first[1]

@@ -132,6 +132,54 @@ def generate_targets(model: Any, ids: Sequence[int], n_tokens: int, eos: Iterabl
     return TeacherTargets(tokens, logp.contiguous(), None if index is None else index.contiguous())
 
 
+@torch.no_grad()
+def generate_targets_many(model: Any, prompts: Sequence[Sequence[int]], n_tokens: int, eos: Iterable[int],
+                          topk: int = 0, batched: bool | None = None) -> list[TeacherTargets]:
+    """`generate_targets` for several prompts, by default at once on CUDA: left-padded, one forward per
+    token for all of them. Why: stepping one example at a time, the teacher's 32 greedy forwards per
+    example left a lent GPU mostly idle (~1 s an example on an H200). On the CPU (compute-bound) the
+    padding would only add work (8 nq10 prompts: 16.7 s together against 11.2 s one by one), so there
+    they go one by one unless `batched`. Each prompt's targets are its own up to float rounding
+    (padding is masked; the matrix products run over the batch)."""
+    device = next(model.parameters()).device
+    if len(prompts) == 1 or not (device.type == "cuda" if batched is None else batched):
+        return [generate_targets(model, p, n_tokens, eos, topk) for p in prompts]
+    stop = set(int(e) for e in eos)
+    width, count = max(len(p) for p in prompts), len(prompts)
+    ids = torch.zeros(count, width, dtype=torch.long)
+    mask = torch.zeros(count, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[b, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    cache = empty_cache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    live = [True] * count
+    for t in range(n_tokens):
+        logits = out.logits[:, -1].float()
+        logp = torch.log_softmax(logits, dim=-1).cpu()
+        picks = [int(x) for x in logits.argmax(-1).tolist()]
+        for b in range(count):
+            if live[b]:
+                rows[b].append(logp[b])
+                tokens[b].append(picks[b])
+                live[b] = picks[b] not in stop
+        if t == n_tokens - 1 or not any(live):
+            break
+        mask = torch.cat([mask, mask.new_ones(count, 1)], dim=1)  # a finished prompt's later tokens are never read
+        out = model(input_ids=torch.tensor(picks, device=device)[:, None], attention_mask=mask, position_ids=(lengths + t)[:, None],
+                    **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
+    found = []
+    for b in range(count):
+        logp_b, index = compress(torch.stack(rows[b]), topk)
+        found.append(TeacherTargets(tokens[b], logp_b.contiguous(), None if index is None else index.contiguous()))
+    return found
+
+
 class Teacher:
     """Teacher targets per example, computed once when first needed (in memory, optionally on disk)."""
 
@@ -153,32 +201,45 @@ class Teacher:
         return h.hexdigest()[:40]
 
     def targets(self, example: Example) -> TeacherTargets:
-        ids = teacher_prompt_ids(example)
-        key = self.key(ids)
-        hit = self.memory.get(key)
-        if hit is not None:
-            self.memory.move_to_end(key)
-            return hit
-        path = self.cache_dir / f"{key}.safetensors" if self.cache_dir is not None else None
-        if path is not None and path.is_file():
-            found = TeacherTargets.from_tensors(load_file(str(path)))
-        else:
+        return self.targets_many([example])[0]
+
+    def targets_many(self, examples: Sequence[Example]) -> list[TeacherTargets]:
+        """Each example's targets: from memory, from OUT/teacher, or generated, the missing ones together."""
+        keyed = [(key, ids) for ids in (teacher_prompt_ids(e) for e in examples) for key in (self.key(ids),)]
+        found: dict[str, TeacherTargets] = {}
+        missing: dict[str, list[int]] = {}
+        for key, ids in keyed:
+            hit = self.memory.get(key)
+            path = self.cache_dir / f"{key}.safetensors" if self.cache_dir is not None else None
+            if hit is not None:
+                self.memory.move_to_end(key)
+                found[key] = hit
+            elif path is not None and path.is_file():
+                found[key] = TeacherTargets.from_tensors(load_file(str(path)))
+            else:
+                missing[key] = ids
+        if missing:
             with base_weights(self.model) as base:
-                found = generate_targets(base, ids, self.n_tokens, self.eos, self.topk)
-            self.generated += 1
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                save_file(found.tensors(), str(tmp))
-                tmp.replace(path)
-        self.memory[key] = found
-        while len(self.memory) > MEMORY_ENTRIES:
+                made = generate_targets_many(base, list(missing.values()), self.n_tokens, self.eos, self.topk)
+            self.generated += len(made)
+            for key, target in zip(missing, made):
+                found[key] = target
+                if self.cache_dir is not None:
+                    path = self.cache_dir / f"{key}.safetensors"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_suffix(".tmp")
+                    save_file(target.tensors(), str(tmp))
+                    tmp.replace(path)
+        for key, target in found.items():
+            self.memory[key] = target
+            self.memory.move_to_end(key)
+        while len(self.memory) > max(MEMORY_ENTRIES, len(found)):  # a whole step's targets stay until its micro-batches ask
             self.memory.popitem(last=False)
-        return found
+        return [found[key] for key, _ in keyed]
 
     def attach(self, examples: Sequence[Example]) -> tuple[list[Example], list[TeacherTargets]]:
         """The examples with the teacher's continuation as their answers, and the targets."""
-        targets = [self.targets(e) for e in examples]
+        targets = self.targets_many(examples)
         return [dataclasses.replace(e, answer=list(t.tokens)) for e, t in zip(examples, targets)], targets
 
 

@@ -219,10 +219,13 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
             g["lr"] = g["base_lr"] * lr_factor(step, total, cfg.warmup, cfg.min_lr_ratio)
         opt.zero_grad(set_to_none=True)
         step_loss = 0.0
-        for _ in range(cfg.grad_accum):
-            picks = next(feed)
+        step_picks = [next(feed) for _ in range(cfg.grad_accum)]
+        if teacher is not None:  # the step's targets in one batched generation (a GPU's teacher is then not one example at a time)
+            step_examples = [[distill_example(layout, rows[i], cfg, e, i) for e, i in picks] for picks in step_picks]
+            teacher.targets_many([ex for micro in step_examples for ex in micro])
+        for m, picks in enumerate(step_picks):
             if teacher is not None:
-                examples = [distill_example(layout, rows[i], cfg, e, i) for e, i in picks]
+                examples = step_examples[m]
                 loss = distill_loss(model, teacher, examples, links, cfg.max_chunks, rag=rag, rotary=rotary, ce_weight=cfg.ce_weight)
                 loss = loss / cfg.grad_accum
             else:
