@@ -9,7 +9,7 @@ import torch
 
 from kvrag import KVRag, from_model
 from kvrag.engine import _AdapterPath
-from kvrag.options import AnswerOptions
+from kvrag.options import DEFAULT_METHOD, AnswerOptions
 from kvrag.errors import AdapterMismatchError
 from kvrag.kv.layout import LAYOUT_VERSION
 from kvrag.link_adapter import LinkAdapter, adapter_header, apply_adapter, load_adapter, read_adapter_header, save_adapter
@@ -128,14 +128,14 @@ def ship(monkeypatch, folder, source, **names):
 
 def test_shipped_adapter_is_the_default_where_there_is_one(tmp_path, monkeypatch):
     rag = make_rag()
-    assert rag.link_adapter is None and rag.default_method == "cacheblend"  # link_adapter=None
+    assert rag.link_adapter is None and rag.default_method == DEFAULT_METHOD  # link_adapter=None
     auto = KVRag(rag.lm, store=rag.store, check=False)
     assert auto.link_adapter is None  # "auto" and no adapter shipped for this model
     save_adapter(tmp_path / "tiny.kvlink.safetensors", random_adapter(rag.lm, k=2, layout_identity=rag.layout.identity))
     ship(monkeypatch, tmp_path, rag.lm.source, links="tiny.kvlink.safetensors", tuned="absent.safetensors")
     auto = KVRag(rag.lm, store=rag.store, check=False)
     assert auto.prefill(Q, IDS, method="kvlink").segments.links == 2
-    assert auto.lm is rag.lm and auto.default_method == "cacheblend"  # links only: the base weights, the base default
+    assert auto.lm is rag.lm and auto.default_method == DEFAULT_METHOD  # links only: the base weights, the base default
     terse = KVRag(rag.lm, store=rag.store, check=False, system_prompt="You are terse.")  # layout mismatch: untrained
     assert terse.link_adapter is None and terse.prefill(Q, chunks=CHUNKS, method="kvlink").segments.links == 0
 
@@ -147,7 +147,7 @@ def test_shipped_tuned_adapter_serves_kvlink_only_when_asked_for(tmp_path, monke
     save_adapter(tmp_path / "links.safetensors", random_adapter(rag.lm, k=3, layout_identity=rag.layout.identity))
     ship(monkeypatch, tmp_path, rag.lm.source, tuned="tuned.safetensors", links="links.safetensors")
     auto = KVRag(rag.lm, store="memory://", check=False)  # "auto": the links-only adapter, the base weights
-    assert not auto.link_adapter.changes_model and auto.default_method == "cacheblend" and auto.adapter_lm is None
+    assert not auto.link_adapter.changes_model and auto.default_method == DEFAULT_METHOD and auto.adapter_lm is None
     opted = KVRag(rag.lm, store="memory://", check=False, link_adapter="tuned")  # the tuned one only when asked for
     assert opted.link_adapter.changes_model and opted.adapter_lm.fingerprint == apply_adapter(rag.lm, tuned).fingerprint
     assert opted.lm is rag.lm and opted.default_method == "kvlink"
@@ -157,11 +157,11 @@ def test_shipped_tuned_adapter_serves_kvlink_only_when_asked_for(tmp_path, monke
     assert same.stats.method == "kvlink" and torch.equal(same.logits, pre.logits)
     assert opted.prefill(Q, chunks=CHUNKS, method="reuse").stats.method == "reuse"  # a named method wins
     links = KVRag(rag.lm, store="memory://", check=False, link_adapter="links")  # the base weights, the links-only adapter
-    assert links.lm is rag.lm and links.link_adapter.link_tokens == 3 and links.default_method == "cacheblend"
+    assert links.lm is rag.lm and links.link_adapter.link_tokens == 3 and links.default_method == DEFAULT_METHOD
     base = KVRag(rag.lm, store="memory://", check=False, link_adapter=None)
-    assert base.lm is rag.lm and base.link_adapter is None and base.prefill(Q, chunks=CHUNKS).stats.method == "cacheblend"
+    assert base.lm is rag.lm and base.link_adapter is None and base.prefill(Q, chunks=CHUNKS).stats.method == DEFAULT_METHOD
     named = KVRag(rag.lm, store="memory://", check=False, link_adapter="None")  # the command line's spelling, not a file
-    assert named.lm is rag.lm and named.link_adapter is None and named.default_method == "cacheblend"
+    assert named.lm is rag.lm and named.link_adapter is None and named.default_method == DEFAULT_METHOD
     terse = KVRag(rag.lm, store="memory://", check=False, system_prompt="You are terse.")  # neither fits this layout
     assert terse.lm is rag.lm and terse.link_adapter is None
 

@@ -1,6 +1,7 @@
 """Issue #34: the rule that picks the default from the suite's table (no model: made-up blocks)."""
 
 from kvrag.eval.suite import SETS, collect, decide, pivot_markdown, suite_settings
+from kvrag.options import DEFAULT_METHOD
 
 TUNED = "kvlink@0{tuned}"
 
@@ -42,7 +43,7 @@ def test_the_training_free_default_keeps_up_on_most_sets_and_is_fast_enough():
 
 def test_settings_pivot_and_collect(tmp_path):
     names = [s.name for s in suite_settings(with_tuned=True)]
-    assert names[:2] == ["full", "reuse"] and TUNED in names and "cacheblend@0.15[min_recompute=0,short_context=0]" in names
+    assert names[:2] == ["full", "reuse"] and TUNED in names and f"{DEFAULT_METHOD}@0.15[min_recompute=0,short_context=0]" in names
     assert len(SETS) >= 5 and {"nq10", "musique", "kv75", "facts", "sample"} <= set(SETS)
     table = pivot_markdown(results(("nq10", rows(), {})))
     assert "**0.500**" in table and "| nq10 | 16 | 30 |" in table

@@ -58,7 +58,7 @@ SETS: dict[str, SuiteSet] = {
         SuiteSet("kv75", "key-value lookups (UUIDs), 8 chunks", _jsonl("kv75_dev.jsonl", "200:300", 34), 6),
         SuiteSet("facts", "fictional facts, 3 short documents, held-out phrasings", _facts("short", 1034), 24),
         SuiteSet("facts-one", "fictional facts, 3 one-sentence documents", _facts("one", 1035), 24),
-        SuiteSet("facts-long", "fictional facts, 6 long documents", _facts("long", 1036, docs=6), 12),
+        SuiteSet("facts-long", "fictional facts, 6 long documents", _facts("long", 1036, docs=6), 30),
         SuiteSet("sample", "the bundled sample, every question in 3 phrasings", lambda data, n: sample_examples(phrasings=True)[:n], 36),
     )
 }
