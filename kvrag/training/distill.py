@@ -128,6 +128,11 @@ def generate_targets(model: Any, ids: Sequence[int], n_tokens: int, eos: Iterabl
             input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[n + t]], device=device),
             **cache_arg(model, cache), use_cache=True, logits_to_keep=1,
         )
+    return _targets(tokens, rows, topk)
+
+
+def _targets(tokens: list[int], rows: list[torch.Tensor], topk: int) -> TeacherTargets:
+    """A continuation and its per-position log-probs [vocab] as targets (top-k compressed if asked)."""
     logp, index = compress(torch.stack(rows), topk)
     return TeacherTargets(tokens, logp.contiguous(), None if index is None else index.contiguous())
 
@@ -173,11 +178,7 @@ def generate_targets_many(model: Any, prompts: Sequence[Sequence[int]], n_tokens
         mask = torch.cat([mask, mask.new_ones(count, 1)], dim=1)  # a finished prompt's later tokens are never read
         out = model(input_ids=torch.tensor(picks, device=device)[:, None], attention_mask=mask, position_ids=(lengths + t)[:, None],
                     **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
-    found = []
-    for b in range(count):
-        logp_b, index = compress(torch.stack(rows[b]), topk)
-        found.append(TeacherTargets(tokens[b], logp_b.contiguous(), None if index is None else index.contiguous()))
-    return found
+    return [_targets(tokens[b], rows[b], topk) for b in range(count)]
 
 
 class Teacher:
@@ -205,7 +206,7 @@ class Teacher:
 
     def targets_many(self, examples: Sequence[Example]) -> list[TeacherTargets]:
         """Each example's targets: from memory, from OUT/teacher, or generated, the missing ones together."""
-        keyed = [(key, ids) for ids in (teacher_prompt_ids(e) for e in examples) for key in (self.key(ids),)]
+        keyed = [(self.key(ids), ids) for ids in map(teacher_prompt_ids, examples)]
         found: dict[str, TeacherTargets] = {}
         missing: dict[str, list[int]] = {}
         for key, ids in keyed:
