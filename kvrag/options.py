@@ -116,6 +116,12 @@ class AnswerOptions:
         short = _tokens_setting(self.short_context, "KVRAG_SHORT_CONTEXT", DEFAULT_SHORT_CONTEXT)
         return max(short, self.min_recompute_tokens())
 
+    def reads_whole(self, context_tokens: int) -> bool:
+        """Whether a request with this many chunk tokens is read whole with Full Attention by the
+        short-context policy (its method is not Full Attention already; a limit of 0 turns it off)."""
+        limit = self.full_context_tokens()
+        return not self.resolved_method().full_attention and 0 < limit and context_tokens <= limit
+
     def with_default_method(self, method: str) -> "AnswerOptions":
         """These options, with `method` where they name none (what the engine does on every request)."""
         return self if self.method is not None else dataclasses.replace(self, method=method)

@@ -93,9 +93,9 @@ class RequestPipeline:
         meth = opts.resolved_method()
         stats = AnswerStats(method=meth.name)
         n_context = sum(len(ids) for ids in resolved.token_ids)
-        limit = opts.full_context_tokens()
-        short = not meth.full_attention and 0 < limit and n_context <= limit
+        short = opts.reads_whole(n_context)
         if short:  # the whole prompt is cheap to read: Full Attention (no link slots), and the stats say so
+            limit = opts.full_context_tokens()
             rule = "min_recompute" if limit == opts.min_recompute_tokens() else "short_context"
             stats.full_reason = f"{n_context} chunk tokens <= {rule}={limit}: answered with Full Attention"
             stats.recompute_ratio = 1.0
