@@ -99,7 +99,7 @@ distill() {  # issue #34: the self-distilled reuse adapter, its schedule fitted 
   [ "$(sha256sum "$g" | cut -d' ' -f1)" = "$(cat "$d/gguf.sha256")" ] || { echo "GGUF parts do not match"; return 1; }
   py -m kvrag.train --objective distill --mode lora --link-tokens 5 --model "$g" \
     --data "$d/nq10_dev.jsonl@0:1200" --data "$d/musique_dev.jsonl@0:100" --data "$d/kv75_dev.jsonl@0:200" \
-    --data "$d/facts-train.jsonl@0:300" --teacher-tokens 32 --continue-share 0.5 --min-chunks 1 --lr 5e-5 \
+    --data "$d/facts-train.jsonl@0:300" --data "$d/facts-long-train.jsonl@0:200" --teacher-tokens 32 --continue-share 0.5 --min-chunks 1 --lr 5e-5 \
     --batch-size 1 --grad-accum 8 --epochs 1 --seed 0 --save-every 10 --device cuda --dtype float32 \
     --max-minutes "$minutes" --fit-schedule --out "$W/distill5" 2>&1 | tee "$OUT/distill-train.log" | tail -15
   cp "$W/distill5/adapter.safetensors" "$W/distill5/train_summary.json" "$W/distill5/loss.png" "$OUT/" 2>/dev/null

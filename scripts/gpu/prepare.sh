@@ -30,8 +30,9 @@ if [ "${1:-}" = --distill ]; then
     "gguf==$(python3 -c 'from importlib.metadata import version; print(version("gguf"))')" \
     "peft==$(python3 -c 'from importlib.metadata import version; print(version("peft"))')"
   [ -f runs/facts-train.jsonl ] || python3 -m kvrag.eval.synthetic --n 300 --seed 0 --style short --docs 3 --phrasings train --out runs/facts-train.jsonl
+  [ -f runs/facts-long-train.jsonl ] || python3 -m kvrag.eval.synthetic --n 200 --seed 2 --style long --docs 6 --phrasings train --out runs/facts-long-train.jsonl
   mkdir -p .gpu/data
-  tar czf .gpu/data/data.tgz -C ../shared/data nq10_dev.jsonl musique_dev.jsonl kv75_dev.jsonl -C "$PWD/runs" facts-train.jsonl
+  tar czf .gpu/data/data.tgz -C ../shared/data nq10_dev.jsonl musique_dev.jsonl kv75_dev.jsonl -C "$PWD/runs" facts-train.jsonl facts-long-train.jsonl
   gguf=$(python3 -c 'from kvrag.model.loading import bundled_gguf_path; print(bundled_gguf_path())')
   sha256sum "$gguf" | cut -d' ' -f1 > .gpu/data/gguf.sha256
   for d in /.gg1/ /.gg2/ /.gg3/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
