@@ -225,6 +225,36 @@ def test_cuda_answers_use_the_graph_by_default_and_match_the_eager_answer(monkey
     eager = rag.answer(Q, IDS, static=False, **kw)
     assert len(made) == 1 and (auto.text, auto.stats.generated_tokens) == (eager.text, eager.stats.generated_tokens)
 
+
+def test_concurrent_cuda_answers_leave_their_graphs_to_decode_together(monkeypatch):
+    """Issue #35 on a GPU: alone, an answer replays its graph; beside others, the steps are batched
+    (one forward for all), and float32 greedy answers stay what they are alone."""
+    import threading
+
+    import kvrag.decode.stream as decode_mod
+
+    made, real = [], decode_mod.StaticDecoder
+    monkeypatch.setattr(decode_mod, "StaticDecoder", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    rag = make_rag("llama", torch.float32)
+    jobs = [("full", 24), ("cacheblend", 18), ("samkv", 30)]
+    ask = lambda method, n: rag.answer(Q, IDS, method=method, max_new_tokens=n, stop_at="none").text
+    alone = [ask(*job) for job in jobs]
+    assert all(d.graph and d.replays == d.forwards > 0 for d in made)
+    made.clear()
+    together, barrier = [None] * len(jobs), threading.Barrier(len(jobs))
+
+    def work(i):
+        barrier.wait(60)
+        together[i] = ask(*jobs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+    assert sum(d.forwards - d.replays for d in made) > 0  # steps shared through the batcher
+
 # -- layer-wise loading (kvrag.fuse.layer_feed): copies on a side stream, overlapped with the passes ----
 LAYERWISE = [("reuse", {}), ("epic", {}), ("a3", {}), ("fusionrag", {}), ("cacheblend", {}), ("samkv", {}), ("kvlink", {"link_tokens": 2})]
 STORES = {"host": "host://?pin=1", "disk": "disk://{tmp}?pin=1", "memory": "memory://"}  # pinned host, pinned reads, on the device

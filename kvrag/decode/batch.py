@@ -4,7 +4,8 @@ Why: a decode step is bound by reading the weights (and on the CPU by per-op ove
 about the same for eight rows as for one. Concurrent answers (the server's requests, each decoding in
 its own thread) used to take turns at the model lock, one token each; here they meet.
 
-How: every open `StaticDecoder` that decodes without a graph registers with its model's `Batcher`.
+How: every open `StaticDecoder` registers with its model's `Batcher` (one that replays a CUDA graph
+steps through it only while others decode too: a graph replays one sequence's step).
 A step call hands over (its buffers, token(s), first position, first slot) and waits. The first caller that finds no
 step running leads: it waits (at most `window_s`) until every registered sequence has handed over its
 next token, then runs `LeanStep.many` under the model lock for all of them and wakes each with its
@@ -79,12 +80,16 @@ class Batcher:
             self._open = max(0, self._open - 1)
             self._cond.notify_all()
 
+    def alone(self) -> bool:
+        """Whether at most one sequence is decoding (a CUDA graph may then serve it: kvrag.decode.static)."""
+        with self._cond:
+            return self._open <= 1
+
     def drafts_allowed(self) -> bool:
         """Whether a sequence may add drafted tokens to its next step (as many as its DecodeConfig
         asks): only while it decodes alone; others' rows already fill the forward, and a sequence
         served from its drafts would keep the others waiting for its call."""
-        with self._cond:
-            return self._open <= 1
+        return self.alone()
 
     def step(self, buffers: Sequence[KV], tokens: Sequence[int], position: int, slot: int) -> torch.Tensor:
         """This sequence's logits [len(tokens), vocab]: row i after `tokens[: i + 1]`, the tokens fed at

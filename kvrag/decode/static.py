@@ -112,7 +112,9 @@ class StaticDecoder:
                  context_ids: Sequence[int] = (), draft_tokens: int = 0) -> None:
         """`steps`: the most forwards this decode can take (the capacity is made to hold them).
         `draft_tokens`: tokens drafted from `context_ids` (the prompt's) and the answer so far to feed
-        with each step when it decodes alone (kvrag.decode.draft); batched steps only (not a graph)."""
+        with each step when it decodes alone (kvrag.decode.draft); without a graph only. With a graph,
+        a sequence replays it while it decodes alone and joins the batched step (kvrag.decode.batch,
+        run eagerly) while others decode too; both write the same buffers, so it may go back and forth."""
         if not supports(cache):
             raise ValueError("this cache cannot be decoded statically (layers of different lengths, or a batch)")
         t = time.perf_counter()
@@ -125,10 +127,10 @@ class StaticDecoder:
         self.graph = lm.device.type == "cuda" if graph is None else graph
         self._lock = lm.lock
         self._batcher = None
-        if not self.graph and self.step.lean is not None:
+        if self.step.lean is not None:  # every device: concurrent answers share one forward a step
             self._batcher = batcher_for(lm, self.step.lean)
             self._batcher.join()
-        self.draft_tokens = draft_tokens if self._batcher is not None else 0
+        self.draft_tokens = draft_tokens if self._batcher is not None and not self.graph else 0
         self._lookup = PromptLookup(context_ids) if self.draft_tokens > 0 else None
         self._ahead: list[tuple[int, torch.Tensor]] = []  # (drafted token, the logits after it), verified already
         self.forwards = 0  # forwards run; the rest of the steps were served from verified drafts
@@ -165,7 +167,9 @@ class StaticDecoder:
                 self.accepted += 1
                 return logits
             self._ahead.clear()  # not chosen: the slots it and those after it wrote are rewritten from here
-        if self._batcher is not None:  # no graph: the step is shared with the other sequences decoding now
+        if self._batcher is not None and not (self.graph and self._batcher.alone()):
+            # shared with the other sequences decoding now (a graph replays one sequence's step: it
+            # serves a sequence only while it decodes alone)
             drafts = self._drafts(slot)
             rows = self._batcher.step(self.buffers, [token, *drafts], position, slot)
             self._ahead = list(zip(drafts, rows[1:]))
