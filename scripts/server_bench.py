@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-at", default=None, choices=["none", "line", "sentence"], help="the answers' stop rule (default: the server's)")
     p.add_argument("--method", default="reuse")
     p.add_argument("--decode-weights", default=None, choices=["model", "int8"], help="the server's decode weights (default: the model's)")
-    p.add_argument("--model", default=None, help="HF id, folder or .gguf (default: bundled SmolLM2)")
+    p.add_argument("--model", default=None, help="HF id, folder or .gguf (default: bundled SmolLM2); with --shape: the tokenizer's")
+    p.add_argument("--shape", default=None, help="serve a model of this shape with random weights (kvrag/shapes/: timing only, "
+                   "e.g. llama-3.1-8b on a GPU); answers are then noise, so pass --stop-at none")
+    p.add_argument("--dtype", default="auto", help="with --shape: the weights' dtype (default: bfloat16 on CUDA)")
+    p.add_argument("--no-decode", action="store_true", help="skip the single-stream decode table (engine vs stock generate)")
+    p.add_argument("--no-index", action="store_true", help="pick each question's top-k chunks by shared words instead of the "
+                   "chroma index (a machine without chromadb, e.g. a lent GPU; timing only)")
     p.add_argument("--device", default="auto")
     p.add_argument("--server", default=None, help="benchmark this running server instead of starting one (same model and store!)")
     args = p.parse_args(argv)
@@ -50,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.n, args.max_new_tokens = min(args.n, 4), min(args.max_new_tokens, 8)
         args.cli_n = 2 if args.cli_n is None else args.cli_n
     args.cli_n = args.n if args.cli_n is None else args.cli_n
+    if args.shape and (args.cli_n or args.server):
+        p.error("--shape serves random weights in this process: pass --cli-n 0 and no --server")
     return args
 
 
@@ -75,7 +84,14 @@ def start_server(args: argparse.Namespace) -> tuple[str, Any]:
         port = s.getsockname()[1]
     extra = {} if args.max_concurrency is None else {"max_concurrency": args.max_concurrency}
     settings = ServerSettings(port=port, model=args.model, device=args.device, max_queue=64, max_new_tokens=args.max_new_tokens, **extra)
-    rag = KVRag.from_pretrained(args.model, device=args.device, decode_weights=args.decode_weights)
+    if args.shape:  # timing only: random weights of a large shape, the tokenizer of --model
+        from kvrag.model.loading import load_tokenizer
+        from kvrag.model.shapes import random_model
+
+        lm = random_model(args.shape, load_tokenizer(args.model), device=args.device, dtype=args.dtype)
+        rag = KVRag(lm, decode_weights=args.decode_weights)
+    else:
+        rag = KVRag.from_pretrained(args.model, device=args.device, decode_weights=args.decode_weights)
     args.engine, args.max_concurrency = rag, settings.max_concurrency
     server = uvicorn.Server(uvicorn.Config(create_app(rag, settings), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -106,6 +122,19 @@ def stream_question(url: str, question: str, chunk_ids: list[str], args: argpars
             stats = event.get("kvrag_stats", stats)
     total = time.perf_counter() - t0
     return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "engine_ttft_s": stats.get("ttft_s"), "text": text}
+
+
+class WordOverlap:
+    """Top-k chunks by the words they share with the question: retrieval without chromadb, for timing runs."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+        self.words = [set(re.findall(r"\w+", (c.title + " " + c.text).lower())) for c in chunks]
+
+    def query(self, question: str, k: int) -> list[Any]:
+        asked = set(re.findall(r"\w+", question.lower()))
+        order = sorted(range(len(self.chunks)), key=lambda i: (-len(asked & self.words[i]), i))
+        return [self.chunks[i] for i in order[:k]]
 
 
 def server_sequential(url: str, index: Any, questions: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -214,13 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
     from kvrag.ingest.samples import sample_corpus_dir, sample_questions
     from kvrag.ingest.documents import load_documents
-    from kvrag.ingest.retrieval import ChunkIndex
     from kvrag.client import ingest_via_server
 
     url, server = (args.server.rstrip("/"), None) if args.server else start_server(args)
     chunks = load_documents([sample_corpus_dir()])
-    index = ChunkIndex(out / "home" / "chroma")
-    index.add(chunks)
+    if args.no_index:
+        index: Any = WordOverlap(chunks)
+    else:
+        from kvrag.ingest.retrieval import ChunkIndex
+
+        index = ChunkIndex(out / "home" / "chroma")
+        index.add(chunks)
     report = ingest_via_server(url, chunks)
     print(f"server {url}: ingested {report['chunks']} chunks ({report['computed']} computed)", file=sys.stderr)
     pool = [q["question"] for q in sample_questions()]
@@ -240,10 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     from kvrag.engine import KVRag
     from kvrag.eval.decode_speed import run_decode_bench
 
-    engine = getattr(args, "engine", None) or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
-    decode = run_decode_bench(engine, [1024], new_tokens=64, repeats=2)
+    decode = None
+    if not args.no_decode:
+        engine = getattr(args, "engine", None) or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
+        decode = run_decode_bench(engine, [1024], new_tokens=64, repeats=2)
+    engine = getattr(args, "engine", None)
+    model = f"{args.shape} (random weights, {engine.lm.dtype if engine else args.dtype}, {engine.lm.device if engine else args.device})" \
+        if args.shape else args.model or "bundled SmolLM2-135M-Instruct"
     result = {
-        "meta": {"model": args.model or "bundled SmolLM2-135M-Instruct", "method": args.method, "decode_weights": args.decode_weights or "model", "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
+        "meta": {"model": model, "method": args.method, "retrieval": "word overlap" if args.no_index else "chroma", "decode_weights": args.decode_weights or "model", "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
                  "top_k": args.top_k, "n": args.n, "cli_n": args.cli_n, "quick": args.quick, "server": url, "cpu_count": os.cpu_count(),
                  "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
         "sequential": {"server": seq_server, "cli": seq_cli},

@@ -10,6 +10,7 @@
 #   bash scripts/gpu/device.sh speed 8b 'host://?pin=1'      (STORE: memory:// | host://?pin=1 | disk | default)
 #   bash scripts/gpu/device.sh speed 8b disk light           (reuse + epic only: fits one call beside others)
 #   bash scripts/gpu/device.sh decode                         (issue #39: 8B decode at 8k + a profile, ~50 s)
+#   bash scripts/gpu/device.sh serve                          (issue #35: the server table, 8B shape; prepare.sh --serve)
 #
 # Issue #34's distilled adapter needs the real bundled model, whose 98 MB GGUF is more than one call
 # carries (64 MiB with the checkout). prepare.sh --distill cuts it into .gg1/.gg2/.gg3 (and packs the
@@ -87,6 +88,13 @@ decode() {  # issue #39 item 4: the 8B bf16 decode rate at 8k (reuse's prefill, 
   py "$REPO/scripts/gpu/decode_profile.py" "$W/tokenizer" 2>&1 | grep -v "it/s\|Warn" | tee "$OUT/decode-8b-8k-profile.txt" | head -4
 }
 
+serve() {  # issue #35: `kvrag serve` on the 8B shape (random weights, bf16) at 1-16 clients (prepare.sh --serve; ~4 min)
+  py "$REPO/scripts/server_bench.py" --out "$W/serve-8b" --shape llama-3.1-8b --model "$W/tokenizer" --device cuda \
+    --dtype bfloat16 --n 16 --cli-n 0 --no-decode --no-index --stop-at none --max-new-tokens 64 --method reuse \
+    --concurrency 1,2,4,8,16 2>&1 | grep -v "it/s" | tail -20
+  cp "$W/serve-8b"/server_bench.* "$OUT/" 2>/dev/null
+}
+
 stash() {  # a part of the bundled GGUF, kept on the warm machine until the last part comes
   mkdir -p "$W/gguf" && cp ".gg$1"/p"$1" "$W/gguf/" && ls -l "$W/gguf"
   [ -d .gpu/data ] && { mkdir -p "$W/data" && tar xzf .gpu/data/data.tgz -C "$W/data" && cp .gpu/data/gguf.sha256 "$W/data/"; }
@@ -106,13 +114,14 @@ distill() {  # issue #34: the self-distilled reuse adapter, its schedule fitted 
   ls -l "$OUT"
 }
 
-step=${1:?usage: device.sh setup|tests|gate|store|speed 8b|1b STORE [light]|stash N|distill MINUTES}
+step=${1:?usage: device.sh setup|tests|gate|store|speed 8b|1b STORE [light]|stash N|distill MINUTES|decode|serve}
 shift
 case $step in
   setup) setup ;;
   tests | gate | store) setup && "$step" "$@" ;;
   speed) setup && speed "$@" ;;
   decode) setup && decode ;;
+  serve) setup && serve ;;
   stash) stash "$@" ;;
   distill) setup && distill "$@" ;;
   *) echo "unknown step $step"; exit 2 ;;

@@ -10,6 +10,7 @@
 # `prepare.sh --distill` (issue #34's adapter, which needs the real bundled model) adds peft and gguf
 # wheels, .gpu/data/ (the training mix, packed, and the GGUF's sha256) and cuts the 98 MB GGUF into
 # .gg1 (18 MB, beside .gpu), .gg2 and .gg3, so each of three calls stays under 64 MiB.
+# `prepare.sh --serve` (issue #35's server table on the 8B shape) adds the web stack's wheels (~3 MB).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude=$(git rev-parse --git-path info/exclude)
@@ -25,7 +26,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu/whl $pins
 python3 -c 'import sys; from kvrag.model.loading import load_tokenizer; load_tokenizer(None).save_pretrained(sys.argv[1])' .gpu/tokenizer
-if [ "${1:-}" = --distill ]; then
+if [[ " $* " == *" --distill "* ]]; then
   python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl \
     "gguf==$(python3 -c 'from importlib.metadata import version; print(version("gguf"))')" \
     "peft==$(python3 -c 'from importlib.metadata import version; print(version("peft"))')"
@@ -41,6 +42,18 @@ if [ "${1:-}" = --distill ]; then
   tail -c +18000001 "$gguf" | head -c 45500000 > .gg2/p2
   tail -c +63500001 "$gguf" > .gg3/p3
   du -sh .gg1 .gg2 .gg3
+fi
+if [[ " $* " == *" --serve "* ]]; then  # issue #35's server table: `kvrag serve`'s web stack, which the device's image lacks
+  spins=$(python3 - <<'PY'
+from importlib.metadata import version
+names = ("fastapi", "starlette", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "uvicorn",
+         "typing_extensions", "anyio", "opentelemetry-api", "annotated-doc")
+print(" ".join(f"{n}=={version(n)}" for n in names))
+PY
+)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/whl $spins
 fi
 ls .gpu/whl
 du -sh .gpu
