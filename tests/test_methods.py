@@ -117,6 +117,25 @@ def test_method_parameters(rag):
         get_method("cacheblend", deviation="both")
 
 
+@pytest.mark.parametrize("method", ["fusionrag", "a3"])
+def test_whole_chunks_adds_the_most_attended_chunks_whole(rag, method):
+    """`whole_chunks=N`: the top tokens as before, plus every token of the N chunks the question
+    attends to most (never the first chunk, whose KV is exact already)."""
+    plain = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15)
+    one = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, whole_chunks=1)
+    two = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, whole_chunks=2)
+    seg = one.segments
+    spans = [set(range(start, start + len(chunk))) for start, chunk in zip(seg.chunk_starts, seg.chunks)]
+    picked, base = set(one.selected.tolist()), set(plain.selected.tolist())
+    whole = [i for i, span in enumerate(spans) if span <= picked]
+    assert base <= picked and len(whole) == 1 and whole[0] != 0  # one later chunk, whole
+    assert picked == base | spans[whole[0]] and one.stats.recomputed_tokens == len(picked)
+    assert set(two.selected.tolist()) == base | spans[1] | spans[2]  # both chunks after the exact first
+    assert not spans[0] & set(two.selected.tolist())
+    with pytest.raises(ValueError, match="whole_chunks"):
+        get_method(method, whole_chunks=-1)
+
+
 def test_similarity_guided_entries_are_their_own_kind(rag):
     report = rag.precompute(CHUNKS, kind="similarity", neighbours={"a": ["b"], "b": ["a", "c"], "c": []}, progress=False)
     assert report.computed == 3
