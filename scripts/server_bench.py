@@ -90,6 +90,7 @@ def start_server(args: argparse.Namespace) -> tuple[str, Any]:
 
         lm = random_model(args.shape, load_tokenizer(args.model), device=args.device, dtype=args.dtype)
         rag = KVRag(lm, decode_weights=args.decode_weights)
+        args.model_label = f"{args.shape} (random weights, {lm.dtype}, {lm.device})"
     else:
         rag = KVRag.from_pretrained(args.model, device=args.device, decode_weights=args.decode_weights)
     args.engine, args.max_concurrency = rag, settings.max_concurrency
@@ -277,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_decode:
         engine = getattr(args, "engine", None) or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
         decode = run_decode_bench(engine, [1024], new_tokens=64, repeats=2)
-    engine = getattr(args, "engine", None)
-    model = f"{args.shape} (random weights, {engine.lm.dtype if engine else args.dtype}, {engine.lm.device if engine else args.device})" \
-        if args.shape else args.model or "bundled SmolLM2-135M-Instruct"
+    model = getattr(args, "model_label", None) or args.model or "bundled SmolLM2-135M-Instruct"
     result = {
         "meta": {"model": model, "method": args.method, "retrieval": "word overlap" if args.no_index else "chroma", "decode_weights": args.decode_weights or "model", "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
                  "top_k": args.top_k, "n": args.n, "cli_n": args.cli_n, "quick": args.quick, "server": url, "cpu_count": os.cpu_count(),

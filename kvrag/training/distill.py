@@ -211,9 +211,8 @@ class Teacher:
         missing: dict[str, list[int]] = {}
         for key, ids in keyed:
             hit = self.memory.get(key)
-            path = self.cache_dir / f"{key}.safetensors" if self.cache_dir is not None else None
+            path = self._path(key)
             if hit is not None:
-                self.memory.move_to_end(key)
                 found[key] = hit
             elif path is not None and path.is_file():
                 found[key] = TeacherTargets.from_tensors(load_file(str(path)))
@@ -225,8 +224,8 @@ class Teacher:
             self.generated += len(made)
             for key, target in zip(missing, made):
                 found[key] = target
-                if self.cache_dir is not None:
-                    path = self.cache_dir / f"{key}.safetensors"
+                path = self._path(key)
+                if path is not None:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     tmp = path.with_suffix(".tmp")
                     save_file(target.tensors(), str(tmp))
@@ -237,6 +236,10 @@ class Teacher:
         while len(self.memory) > max(MEMORY_ENTRIES, len(found)):  # a whole step's targets stay until its micro-batches ask
             self.memory.popitem(last=False)
         return [found[key] for key, _ in keyed]
+
+    def _path(self, key: str) -> Path | None:
+        """Where OUT/teacher keeps these targets (None: kept in memory only)."""
+        return self.cache_dir / f"{key}.safetensors" if self.cache_dir is not None else None
 
     def attach(self, examples: Sequence[Example]) -> tuple[list[Example], list[TeacherTargets]]:
         """The examples with the teacher's continuation as their answers, and the targets."""
