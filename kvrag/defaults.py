@@ -35,6 +35,14 @@ DEFAULT_MIN_RECOMPUTE = 160
 # answered right (4 still at min_recompute 320). 10-passage prompts (~950-1,550 tokens) stay fast.
 # `stats.full_reason` says when it applied; 0 turns it off.
 DEFAULT_SHORT_CONTEXT = 768
+# Chunks that are records of one kind (kvrag.methods.alike: the same phrasing with other names and values,
+# "The length of the X River is ... km" six times over) are read whole, with Full Attention, by every
+# method: there reused chunks cannot tell the records apart and answer with another record's value. On
+# 120 answers over fresh six- and eight-record questions base Full contained the answer in 33, fusionrag
+# @0.15 in 22, and recomputing the named record whole as well (whole_chunks=1) in 27 (docs/bench/records).
+# Natural passages (NQ, MuSiQue, the sample) never tripped the test. `stats.full_reason` says when it
+# applied; False turns it off.
+DEFAULT_RECORDS_WHOLE = True
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"
 

@@ -145,7 +145,7 @@ class KVRag(KVRagCore):
         if fast is None or opts.resolved_method().name != TUNED_METHOD or opts.kv_kind != KIND_CHUNK:
             return super()._prefill_resolved(question, resolved, opts)
         n_context = sum(len(ids) for ids in resolved.token_ids)
-        if n_context == 0 or opts.reads_whole(n_context):
+        if n_context == 0 or opts.reads_whole(resolved.chunks, n_context):
             return super()._prefill_resolved(question, resolved, opts)  # read whole, over the base weights
         pre = fast._prefill_resolved(question, fast.rekey(resolved), opts)
         pre.stats.weights = "adapter"

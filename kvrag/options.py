@@ -11,16 +11,19 @@ from kvrag.methods.auto_ratio import AutoRatio
 from kvrag.decode.stream import DecodeConfig
 from kvrag.methods.snapkv import SnapKV
 from kvrag.methods import Method, get_method
+from kvrag.methods.alike import records_of_one_kind
+from kvrag.types import Chunk
 
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
-OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context")  # AnswerOptions' own keyword fields
+OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context", "records_whole")  # AnswerOptions' own keyword fields
 DECODE_KEYS = tuple(f.name for f in dataclasses.fields(DecodeConfig))  # the decode settings, as keywords
 
 from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
     DEFAULT_METHOD,
     DEFAULT_MIN_RECOMPUTE,
     DEFAULT_RATIO,
+    DEFAULT_RECORDS_WHOLE,
     DEFAULT_SHORT_CONTEXT,
     DEFAULT_STOP_AT,
     RATIO_FREE,
@@ -69,12 +72,15 @@ class AnswerOptions:
     decode: DecodeConfig = field(default_factory=decode_config)
     min_recompute: int | None = None  # chunk tokens recomputed at least (all: Full Attention); None: the default
     short_context: int | None = None  # chunk tokens up to which the prompt is read with Full Attention; None: the default
+    records_whole: bool | None = None  # chunks that are records of one kind read with Full Attention; None: the default
 
     def __post_init__(self) -> None:
         for name in ("min_recompute", "short_context"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a whole number of tokens >= 0, got {value!r}")
+        if self.records_whole is not None and not isinstance(self.records_whole, bool):
+            raise ValueError(f"records_whole must be True, False or None, got {self.records_whole!r}")
         ratio = self.recompute_ratio
         if ratio == "auto":
             object.__setattr__(self, "recompute_ratio", AutoRatio())
@@ -116,11 +122,38 @@ class AnswerOptions:
         short = _tokens_setting(self.short_context, "KVRAG_SHORT_CONTEXT", DEFAULT_SHORT_CONTEXT)
         return max(short, self.min_recompute_tokens())
 
-    def reads_whole(self, context_tokens: int) -> bool:
-        """Whether a request with this many chunk tokens is read whole with Full Attention by the
-        short-context policy (its method is not Full Attention already; a limit of 0 turns it off)."""
+    def records_read_whole(self) -> bool:
+        """Whether chunks that are records of one kind are read whole: `records_whole`, else
+        $KVRAG_RECORDS_WHOLE (a deployment's default: 1 or 0), else DEFAULT_RECORDS_WHOLE."""
+        if self.records_whole is not None:
+            return self.records_whole
+        env = os.environ.get("KVRAG_RECORDS_WHOLE", "").strip().lower()
+        if env in ("1", "true", "yes", "on"):
+            return True
+        if env in ("0", "false", "no", "off"):
+            return False
+        if env:
+            raise ValueError(f"KVRAG_RECORDS_WHOLE must be 1 or 0, got {env!r}")
+        return DEFAULT_RECORDS_WHOLE
+
+    def whole_reason(self, chunks: Sequence[Chunk], context_tokens: int) -> str:
+        """Why a request over these chunks (holding this many chunk tokens) is read whole with Full
+        Attention by policy, or "" when it is not: its method is not Full Attention already, and the
+        context is short (`full_context_tokens`, 0: off) or its chunks are records of one kind
+        (`records_read_whole`; kvrag.methods.alike)."""
+        if self.resolved_method().full_attention:
+            return ""
         limit = self.full_context_tokens()
-        return not self.resolved_method().full_attention and 0 < limit and context_tokens <= limit
+        if 0 < limit and context_tokens <= limit:
+            rule = "min_recompute" if limit == self.min_recompute_tokens() else "short_context"
+            return f"{context_tokens} chunk tokens <= {rule}={limit}: answered with Full Attention"
+        if self.records_read_whole() and records_of_one_kind([f"{c.title}\n{c.text}" for c in chunks]):
+            return "the chunks are records of one kind (records_whole): answered with Full Attention"
+        return ""
+
+    def reads_whole(self, chunks: Sequence[Chunk], context_tokens: int) -> bool:
+        """Whether the policy reads this request whole with Full Attention (`whole_reason`)."""
+        return bool(self.whole_reason(chunks, context_tokens))
 
     def with_default_method(self, method: str) -> "AnswerOptions":
         """These options, with `method` where they name none (what the engine does on every request)."""

@@ -93,11 +93,10 @@ class RequestPipeline:
         meth = opts.resolved_method()
         stats = AnswerStats(method=meth.name)
         n_context = sum(len(ids) for ids in resolved.token_ids)
-        short = opts.reads_whole(n_context)
-        if short:  # the whole prompt is cheap to read: Full Attention (no link slots), and the stats say so
-            limit = opts.full_context_tokens()
-            rule = "min_recompute" if limit == opts.min_recompute_tokens() else "short_context"
-            stats.full_reason = f"{n_context} chunk tokens <= {rule}={limit}: answered with Full Attention"
+        reason = opts.whole_reason(resolved.chunks, n_context)
+        short = bool(reason)
+        if short:  # short, or records of one kind: Full Attention (no link slots), and the stats say why
+            stats.full_reason = reason
             stats.recompute_ratio = 1.0
             links = LinkSlots()
         else:
@@ -175,6 +174,7 @@ class RequestPipeline:
                 exact_held = held[~torch.isin(held, candidates)][: budget - int(candidates.numel())]
                 selection.positions = torch.cat([exact_held, selection.positions.to(exact_held.device)]).sort().values
         stats.recompute_ratio = int(selection.positions.numel()) / max(1, int(held.numel()))
+        stats.whole_chunks = selection.whole_chunks
         return stitched, selection
 
     @staticmethod

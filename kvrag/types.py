@@ -42,6 +42,7 @@ class AnswerStats:
     question_tokens: int = 0
     recomputed_tokens: int = 0
     recompute_ratio: float = 0.0  # recomputed chunk tokens / chunk tokens held (what "auto" chose)
+    whole_chunks: int = 0  # chunks recomputed whole besides the top tokens (records of one kind: kvrag.methods.alike)
     chunk_prefill_tokens: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
@@ -62,7 +63,7 @@ class AnswerStats:
     decode_weights: str = "model"  # what the decode steps read after the first token: "model" (its own weights) or "int8" (opt-in)
     decode_forwards: int = 0  # forwards after the first token; fewer than the tokens where drafts were right (kvrag.decode.draft)
     draft_accepted: int = 0  # tokens served from a drafted row the model agreed with, without a forward of their own
-    full_reason: str = ""  # why a reuse method read the whole prompt with Full Attention (chunks within min_recompute), else ""
+    full_reason: str = ""  # why a reuse method read the whole prompt with Full Attention (a short context, records of one kind), else ""
     echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
 
     @property
@@ -107,6 +108,7 @@ class AnswerStats:
             f"hits={self.cache_hits} misses={self.cache_misses} loaded={self.bytes_loaded / 1e6:.1f}MB "
             f"kept={self.kept_kv_ratio:.2f} kv={self.kv_bytes / 1e6:.1f}MB decode={self.decode_tokens_per_s:.1f}tok/s"
             + (f" drafts_served={self.draft_accepted}" if self.draft_accepted else "")
+            + (f" whole_chunks={self.whole_chunks}" if self.whole_chunks else "")
         )
 
 

@@ -8,17 +8,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-# Tests of the reuse machinery use short chunks; the short-context policy (kvrag.options.DEFAULT_MIN_RECOMPUTE,
-# DEFAULT_SHORT_CONTEXT) would answer them with Full Attention. Off for the session (subprocesses inherit it);
-# the tests of the shipped defaults turn it back on with the `shipped_defaults` fixture.
-SHORT_CONTEXT_ENV = ("KVRAG_MIN_RECOMPUTE", "KVRAG_SHORT_CONTEXT")
+# Tests of the reuse machinery use short chunks, some written to one pattern; the read-whole policies
+# (kvrag.options.DEFAULT_MIN_RECOMPUTE, DEFAULT_SHORT_CONTEXT, DEFAULT_RECORDS_WHOLE) would answer them with
+# Full Attention. Off for the session (subprocesses inherit it); the tests of the shipped defaults turn
+# them back on with the `shipped_defaults` fixture.
+SHORT_CONTEXT_ENV = ("KVRAG_MIN_RECOMPUTE", "KVRAG_SHORT_CONTEXT", "KVRAG_RECORDS_WHOLE")
 for _name in SHORT_CONTEXT_ENV:
     os.environ[_name] = "0"
 
 
 @pytest.fixture
 def shipped_defaults(monkeypatch):
-    """The short-context policy as users get it (no KVRAG_MIN_RECOMPUTE, no KVRAG_SHORT_CONTEXT)."""
+    """The read-whole policies as users get them (no KVRAG_MIN_RECOMPUTE, KVRAG_SHORT_CONTEXT, KVRAG_RECORDS_WHOLE)."""
     for name in SHORT_CONTEXT_ENV:
         monkeypatch.delenv(name, raising=False)
 

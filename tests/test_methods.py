@@ -118,22 +118,53 @@ def test_method_parameters(rag):
 
 
 @pytest.mark.parametrize("method", ["fusionrag", "a3"])
-def test_whole_chunks_adds_the_most_attended_chunks_whole(rag, method):
-    """`whole_chunks=N`: the top tokens as before, plus every token of the N chunks the question
-    attends to most (never the first chunk, whose KV is exact already)."""
-    plain = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15)
+def test_whole_chunks_makes_the_named_then_most_attended_chunks_exact(rag, method):
+    """`whole_chunks=N`: the top tokens as before, plus every token of the N chunks the question names,
+    then attends to most; the first chunk (which this question names) is exact already, so it takes
+    a place in the N but is not recomputed."""
+    plain = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, whole_chunks=0)
     one = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, whole_chunks=1)
     two = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, whole_chunks=2)
-    seg = one.segments
+    three = rag.prefill(Q, IDS, method=method, recompute_ratio=0.15, whole_chunks=3)
+    seg = two.segments
     spans = [set(range(start, start + len(chunk))) for start, chunk in zip(seg.chunk_starts, seg.chunks)]
-    picked, base = set(one.selected.tolist()), set(plain.selected.tolist())
+    base = set(plain.selected.tolist())
+    assert set(one.selected.tolist()) == base  # the named chunk is the exact first one
+    picked = set(two.selected.tolist())
     whole = [i for i, span in enumerate(spans) if span <= picked]
     assert base <= picked and len(whole) == 1 and whole[0] != 0  # one later chunk, whole
-    assert picked == base | spans[whole[0]] and one.stats.recomputed_tokens == len(picked)
-    assert set(two.selected.tolist()) == base | spans[1] | spans[2]  # both chunks after the exact first
-    assert not spans[0] & set(two.selected.tolist())
-    with pytest.raises(ValueError, match="whole_chunks"):
-        get_method(method, whole_chunks=-1)
+    assert picked == base | spans[whole[0]] and two.stats.recomputed_tokens == len(picked)
+    assert set(three.selected.tolist()) == base | spans[1] | spans[2]  # both chunks after the exact first
+    assert not spans[0] & set(three.selected.tolist())
+    assert [p.stats.whole_chunks for p in (plain, one, two, three)] == [0, 0, 1, 2]
+    for bad in (-1, "all", 1.5, True):
+        with pytest.raises(ValueError, match="whole_chunks"):
+            get_method(method, whole_chunks=bad)
+
+
+RECORDS = [
+    Chunk(f"r{i}", f"The {name} lamp weighs {kg} kilograms. The {name} lamp was made in {year}. "
+          f"The {name} lamp is kept in the town of {town}. The colour of the {name} lamp is {colour}.")
+    for i, (name, kg, year, town, colour) in enumerate([
+        ("Nororssa", 169, 1893, "Keloen", "red"), ("Wenardra", 235, 1755, "Braar", "blue"),
+        ("Faloven", 88, 1601, "Iskan", "green"), ("Marorsk", 307, 1537, "Eldel", "black"),
+    ])
+]
+
+
+@pytest.mark.parametrize("method", ["fusionrag", "a3"])
+def test_the_whole_chunk_is_the_record_the_question_names(rag, method):
+    """Among records of one kind the chunk recomputed whole is the one asked about, wherever it sits."""
+    rag.precompute(RECORDS, progress=False)
+    ids = [c.id for c in RECORDS]
+    for i, name in [(1, "Wenardra"), (2, "Faloven"), (3, "Marorsk")]:
+        pre = rag.prefill(f"How much does the {name} lamp weigh?", ids, method=method, recompute_ratio=0.15,
+                          short_context=0, min_recompute=0, whole_chunks=1)
+        seg, picked = pre.segments, set(pre.selected.tolist())
+        whole = [j for j, (s, c) in enumerate(zip(seg.chunk_starts, seg.chunks)) if set(range(s, s + len(c))) <= picked]
+        assert whole == [i], (name, whole)
+
+
 
 
 def test_similarity_guided_entries_are_their_own_kind(rag):

@@ -1,13 +1,13 @@
 """Issue #34: where recomputing is cheap, recompute more. Every answer recomputes at least
-`min_recompute` chunk tokens, chunks holding no more (or no more than `short_context`) are read with
-Full Attention (over the base weights, whatever the method), an explicit ratio 0 stays Full Reuse, and
-the stats say what was done."""
+`min_recompute` chunk tokens, chunks holding no more (or no more than `short_context`), and chunks that
+are records of one kind (`records_whole`), are read with Full Attention (over the base weights, whatever
+the method), an explicit ratio 0 stays Full Reuse, and the stats say what was done."""
 
 import pytest
 import torch
 
-from kvrag import KVRag, from_model
-from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_SHORT_CONTEXT, AnswerOptions
+from kvrag import Chunk, KVRag, from_model
+from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_RECORDS_WHOLE, DEFAULT_SHORT_CONTEXT, AnswerOptions
 from test_quality_options import CHUNKS, IDS, Q  # three ~90-character chunks and a question about the first
 from tiny import tiny_model, tiny_tokenizer
 
@@ -97,3 +97,46 @@ def test_shipped_default_reads_short_contexts_whole(rag, shipped_defaults):
         assert out.stats.full_reason and out.stats.recomputed_tokens == out.stats.context_tokens
     long = rag.answer(Q, IDS, method="cacheblend", max_new_tokens=4, short_context=0)  # the minimum still holds
     assert not long.stats.full_reason and long.stats.recomputed_tokens == DEFAULT_MIN_RECOMPUTE
+
+
+RECORDS = [
+    Chunk(f"rec{i}", f"The {name} lamp weighs {kg} kilograms and was made in {year}. The {name} lamp is kept in the "
+          f"town of {town}. The colour of the {name} lamp is {colour}, and its keeper is {keeper}.")
+    for i, (name, kg, year, town, colour, keeper) in enumerate([
+        ("Nororssa", 169, 1893, "Keloen", "red", "Mara Ulvo"), ("Wenardra", 235, 1755, "Braar", "blue", "Ivo Dal"),
+        ("Faloven", 88, 1601, "Iskan", "green", "Kel Ryd"), ("Marorsk", 307, 1537, "Eldel", "black", "Ana Esk"),
+    ])
+]
+RECORD_IDS = [c.id for c in RECORDS]
+RQ = "How much does the Faloven lamp weigh?"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_records_of_one_kind_are_read_with_full_attention(rag, method):
+    """Chunks written to one pattern (records of one kind) are read whole by every method unless
+    records_whole=False, and the stats say why; unrelated chunks are not."""
+    rag.precompute(RECORDS, progress=False)
+    full = rag.prefill(RQ, RECORD_IDS, method="full")
+    pre = rag.prefill(RQ, RECORD_IDS, method=method, records_whole=True)
+    assert torch.equal(pre.logits, full.logits) and pre.stats.cache_hits == 0
+    assert "records of one kind" in pre.stats.full_reason and pre.stats.recompute_ratio == 1.0
+    assert rag.prefill(RQ, RECORD_IDS, method=method, records_whole=False).stats.full_reason == ""
+    assert rag.prefill(Q, IDS, method=method, records_whole=True).stats.full_reason == ""
+
+
+def test_records_whole_comes_from_the_request_then_the_environment_then_the_default(monkeypatch, shipped_defaults):
+    assert AnswerOptions().records_read_whole() is DEFAULT_RECORDS_WHOLE is True
+    monkeypatch.setenv("KVRAG_RECORDS_WHOLE", "0")
+    assert AnswerOptions().records_read_whole() is False and AnswerOptions(records_whole=True).records_read_whole()
+    monkeypatch.setenv("KVRAG_RECORDS_WHOLE", "maybe")
+    with pytest.raises(ValueError, match="KVRAG_RECORDS_WHOLE"):
+        AnswerOptions().records_read_whole()
+    with pytest.raises(ValueError, match="records_whole"):
+        AnswerOptions(records_whole="yes")
+
+
+def test_shipped_default_reads_records_whole(rag, shipped_defaults):
+    rag.precompute(RECORDS, progress=False)
+    out = rag.answer(RQ, RECORD_IDS, method="fusionrag", max_new_tokens=4, short_context=0, min_recompute=0)
+    assert "records of one kind" in out.stats.full_reason
+    assert out.stats.recomputed_tokens == out.stats.context_tokens

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help=f"chunk tokens recomputed at least; chunks holding no more are read with Full Attention (0: off; default {DEFAULT_MIN_RECOMPUTE})")
     ask.add_argument("--short-context", type=int, default=None, metavar="TOKENS",
                      help=f"contexts of at most this many chunk tokens are read with Full Attention by every method (0: off; default {DEFAULT_SHORT_CONTEXT})")
+    ask.add_argument("--records-whole", choices=("on", "off"), default=None,
+                     help="chunks that are records of one kind (one phrasing, other names and values) are read with Full "
+                          "Attention by every method (default: on, or $KVRAG_RECORDS_WHOLE)")
     ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens the answer may have")
@@ -85,6 +88,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens,
         min_recompute=args.min_recompute,
         short_context=args.short_context,
+        records_whole=None if args.records_whole is None else args.records_whole == "on",
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
         **dict(params),
     )
@@ -144,6 +148,10 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
         raise KVRagError("--evict-budget is not available through --server")
     if args.draft_tokens is not None:
         raise KVRagError("--draft-tokens is not available through --server (the server decodes with its default)")
+    policy = [flag for flag, value in (("--min-recompute", args.min_recompute), ("--short-context", args.short_context),
+                                       ("--records-whole", args.records_whole)) if value is not None]
+    if policy:
+        raise KVRagError(f"{', '.join(policy)}: not available through --server (the server's setting applies)")
     options = dict(method=args.method, recompute_ratio=args.recompute_ratio, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, params=params)
     if common.index_size(args):
@@ -181,7 +189,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
-RAW = {"short_context": 0, "min_recompute": 0}  # the short-context policy off: what a method does alone
+RAW = {"short_context": 0, "min_recompute": 0, "records_whole": False}  # the read-whole policies off: what a method does alone
 
 
 def compare_with_full(rag, question: str, chunks, methods, raw: str | None = None) -> list[str]:
@@ -205,6 +213,8 @@ def compare_with_full(rag, question: str, chunks, methods, raw: str | None = Non
         )
         if method != "full" and pre.stats.full_reason:
             quality += f"; read whole ({pre.stats.context_tokens} chunk tokens)"
+        elif pre.stats.whole_chunks:
+            quality += f"; {pre.stats.whole_chunks} chunk(s) recomputed whole (whole_chunks)"
         label = (method if method in RATIO_FREE else f"{method}@{DEFAULT_RATIO:g}") + tag
         lines.append(f"[{label:>28}] {text}\n{'':31}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
     return lines

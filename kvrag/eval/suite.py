@@ -64,7 +64,7 @@ SETS: dict[str, SuiteSet] = {
 }
 
 
-RAW = (("min_recompute", 0), ("short_context", 0))  # the short-context policy off: what the method does alone
+RAW = (("min_recompute", 0), ("records_whole", False), ("short_context", 0))  # the read-whole policies off: what the method does alone
 
 
 def suite_settings(with_tuned: bool) -> list[Setting]:

@@ -26,6 +26,7 @@ class Selection:
 
     positions: torch.Tensor
     scores: torch.Tensor | None = None
+    whole_chunks: int = 0  # chunks picked whole besides the top tokens (kvrag.methods.attention), for the stats
 
     @classmethod
     def empty(cls) -> "Selection":

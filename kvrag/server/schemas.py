@@ -73,6 +73,7 @@ class KVRagContext(BaseModel):
     kv_kind: Literal["chunk", "similarity"] | None = None
     min_recompute: int | None = Field(default=None, ge=0, description="chunk tokens recomputed at least; no more than this: Full Attention (0: off)")
     short_context: int | None = Field(default=None, ge=0, description="contexts of at most this many chunk tokens: Full Attention (0: off)")
+    records_whole: bool | None = Field(default=None, description="chunks that are records of one kind: Full Attention (default: on)")
     stop_at: Literal["none", "line", "sentence"] | None = None  # when the answer is complete (default: the server's)
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
     retrieve: bool | None = Field(default=None, description="without chunk_ids/chunks: retrieve from the server's index "
@@ -222,7 +223,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
     )
     if ctx.kv_kind is not None:
         kwargs["kv_kind"] = ctx.kv_kind
-    for name in ("min_recompute", "short_context"):
+    for name in ("min_recompute", "short_context", "records_whole"):
         if getattr(ctx, name) is not None:
             kwargs[name] = getattr(ctx, name)
     if ctx.stop_at is not None:
