@@ -184,8 +184,9 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method), raw=rag.default_method):
         print(line)
     print(f"(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
-          "KL = first-token KL divergence from Full Attention, 0 is identical; 'read whole': a context this short is "
-          "answered with Full Attention by every method (--short-context, --min-recompute); 'policy off': the method alone)")
+          "KL = first-token KL divergence from Full Attention, 0 is identical; 'read whole': a context this short (or "
+          "chunks that are records of one kind) is answered with Full Attention by every method (--short-context, "
+          "--min-recompute, --records-whole); 'policy off': the method alone)")
     return 0
 
 
