@@ -5,8 +5,9 @@ Why: where the retrieved documents are records written to one pattern ("The leng
 ... km." six times over, with other names and numbers), each chunk's KV was computed alone and looks to
 the question like every other, and reuse takes the value from the wrong record. So such chunks are
 read whole by default (AnswerOptions.records_whole), at a cost other documents need not pay; and
-`whole_chunks=1` recomputes the record the question names (`named_by`). Records of one kind repeat short phrases across chunks; natural passages rarely do; chunks
-cut from one text with overlapping windows repeat long runs, which is copying, not a pattern.
+`whole_chunks=1` recomputes the record the question names (`named_by`). Records of one kind repeat
+short phrases across chunks; natural passages rarely do; chunks cut from one text with overlapping
+windows repeat long runs, which is copying, not a pattern.
 
 Thresholds were set on training rows only, over each chunk's title and text (README, Results): the
 median share of a chunk's word 3-grams found in another chunk was 0.23-0.61 on 200 six-record fact
