@@ -94,8 +94,8 @@ class RequestPipeline:
         stats = AnswerStats(method=meth.name)
         n_context = sum(len(ids) for ids in resolved.token_ids)
         reason = opts.whole_reason(resolved.chunks, n_context)
-        short = bool(reason)
-        if short:  # short, or records of one kind: Full Attention (no link slots), and the stats say why
+        whole = bool(reason)
+        if whole:  # short, or records of one kind: Full Attention (no link slots), and the stats say why
             stats.full_reason = reason
             stats.recompute_ratio = 1.0
             links = LinkSlots()
@@ -109,7 +109,7 @@ class RequestPipeline:
         stats.question_tokens = len(segments.question)
         prefix = self.repo.prefix_kv()
 
-        if meth.full_attention or short:
+        if meth.full_attention or whole:
             with self._window(opts.evict, segments) as window:
                 out = full_prefill(self.lm, prefix, segments, reserve)
             if window is not None:

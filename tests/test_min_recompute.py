@@ -6,8 +6,9 @@ the method), an explicit ratio 0 stays Full Reuse, and the stats say what was do
 import pytest
 import torch
 
-from kvrag import Chunk, KVRag, from_model
+from kvrag import KVRag, from_model
 from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_RECORDS_WHOLE, DEFAULT_SHORT_CONTEXT, AnswerOptions
+from test_methods import RECORDS  # four lamp records written to one pattern
 from test_quality_options import CHUNKS, IDS, Q  # three ~90-character chunks and a question about the first
 from tiny import tiny_model, tiny_tokenizer
 
@@ -99,14 +100,6 @@ def test_shipped_default_reads_short_contexts_whole(rag, shipped_defaults):
     assert not long.stats.full_reason and long.stats.recomputed_tokens == DEFAULT_MIN_RECOMPUTE
 
 
-RECORDS = [
-    Chunk(f"rec{i}", f"The {name} lamp weighs {kg} kilograms and was made in {year}. The {name} lamp is kept in the "
-          f"town of {town}. The colour of the {name} lamp is {colour}, and its keeper is {keeper}.")
-    for i, (name, kg, year, town, colour, keeper) in enumerate([
-        ("Nororssa", 169, 1893, "Keloen", "red", "Mara Ulvo"), ("Wenardra", 235, 1755, "Braar", "blue", "Ivo Dal"),
-        ("Faloven", 88, 1601, "Iskan", "green", "Kel Ryd"), ("Marorsk", 307, 1537, "Eldel", "black", "Ana Esk"),
-    ])
-]
 RECORD_IDS = [c.id for c in RECORDS]
 RQ = "How much does the Faloven lamp weigh?"
 

@@ -34,13 +34,7 @@ _WORD = re.compile(r"\w+")
 
 def shared_share(texts: Sequence[str], n: int) -> float:
     """Median over chunks of the share of a chunk's distinct word n-grams that another chunk also holds."""
-    grams = []
-    for text in texts:
-        words = _WORD.findall(text.lower())
-        grams.append({tuple(words[i : i + n]) for i in range(len(words) - n + 1)})
-    seen_in = Counter(g for chunk in grams for g in chunk)
-    shares = [sum(seen_in[g] > 1 for g in chunk) / len(chunk) for chunk in grams if chunk]
-    return statistics.median(shares) if len(shares) > 1 else 0.0
+    return _shared([_words(t) for t in texts], n)
 
 
 def records_of_one_kind(texts: Sequence[str]) -> bool:
@@ -51,15 +45,27 @@ def records_of_one_kind(texts: Sequence[str]) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _records_of_one_kind(texts: tuple[str, ...]) -> bool:
-    return shared_share(texts, 3) >= PATTERN_SHARE and shared_share(texts, 8) < COPY_SHARE
+    words = [_words(t) for t in texts]  # once for both tests; natural passages stop at the first
+    return _shared(words, 3) >= PATTERN_SHARE and _shared(words, 8) < COPY_SHARE
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def _shared(words: Sequence[list[str]], n: int) -> float:
+    grams = [{tuple(w[i : i + n]) for i in range(len(w) - n + 1)} for w in words]
+    seen_in = Counter(g for chunk in grams for g in chunk)
+    shares = [sum(seen_in[g] > 1 for g in chunk) / len(chunk) for chunk in grams if chunk]
+    return statistics.median(shares) if len(shares) > 1 else 0.0
 
 
 def named_by(question: str, texts: Sequence[str]) -> list[float]:
     """How strongly the question names each chunk: the summed rarity, log(chunks / chunks holding it),
     of the question's words found in it. A word every chunk holds ("weight", "lamp") counts for none;
     the record's own name counts most, so among records of one kind the one asked about comes first."""
-    words = [set(_WORD.findall(t.lower())) for t in texts]
+    words = [set(_words(t)) for t in texts]
     held_by = Counter(w for chunk in words for w in chunk)
-    asked = set(_WORD.findall(question.lower()))
+    asked = set(_words(question))
     n = len(texts)
     return [sum(math.log(n / held_by[w]) for w in asked & chunk) for chunk in words]
