@@ -95,10 +95,33 @@ def start_server(args: argparse.Namespace) -> tuple[str, Any]:
         rag = KVRag.from_pretrained(args.model, device=args.device, decode_weights=args.decode_weights)
     args.engine, args.max_concurrency = rag, settings.max_concurrency
     server = uvicorn.Server(uvicorn.Config(create_app(rag, settings), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
     return f"http://127.0.0.1:{port}", server
+
+
+def serve_while(server: Any, drive: Any) -> None:
+    """Serve as `kvrag serve` does while `drive()` runs in another thread, then stop: HTTP in a thread and
+    every model call on this thread, which loaded the model (kvrag.server.runner.run_beside_home; a
+    server whose worker threads ran the model themselves decoded ~1.6x slower, kvrag.model.home_thread)."""
+    from kvrag.server.runner import run_beside_home
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while not server.started:
+                time.sleep(0.05)
+            drive()
+        except BaseException as exc:  # reported by the main thread once the server has stopped
+            failed.append(exc)
+        finally:
+            server.should_exit = True
+
+    driver = threading.Thread(target=run, name="server-bench", daemon=True)
+    driver.start()
+    run_beside_home(server)
+    driver.join()
+    if failed:
+        raise failed[0]
 
 
 def stream_question(url: str, question: str, chunk_ids: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -122,7 +145,22 @@ def stream_question(url: str, question: str, chunk_ids: list[str], args: argpars
             text += piece
             stats = event.get("kvrag_stats", stats)
     total = time.perf_counter() - t0
-    return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "engine_ttft_s": stats.get("ttft_s"), "text": text}
+    return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "engine_ttft_s": stats.get("ttft_s"), "text": text,
+            "prompt_tokens": stats.get("prompt_tokens"), "generated_tokens": stats.get("generated_tokens")}
+
+
+class OnHome:
+    """An object whose every method runs on the model's home thread (kvrag.model.home_thread), as the
+    server runs its own retrieval: a second thread running torch would slow the server's decoding."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        from kvrag.model.home_thread import on_home
+
+        method = getattr(self._obj, name)
+        return lambda *args, **kwargs: on_home(method, *args, **kwargs)
 
 
 class WordOverlap:
@@ -176,7 +214,26 @@ def concurrent_level(url: str, work: list[tuple[str, list[str]]], clients: int, 
     return {"clients": clients, "requests": len(rows), "wall_s": wall, "throughput_rps": len(rows) / wall,
             "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
             "latency_p50_s": pct(totals, 50), "latency_p99_s": pct(totals, 99),
-            "engine_ttft_p50_s": pct([r["engine_ttft_s"] or 0.0 for r in rows], 50)}
+            "engine_ttft_p50_s": pct([r["engine_ttft_s"] or 0.0 for r in rows], 50),
+            "prompt_tokens_p50": pct([r["prompt_tokens"] or 0 for r in rows], 50),
+            "generated_tokens_mean": statistics.fmean([r["generated_tokens"] or 0 for r in rows])}
+
+
+def ceilings(levels: list[dict[str, Any]], step_ms: dict[int, float]) -> dict[str, Any] | None:
+    """What batching can give at most on this machine, from this run's own figures: at 1 client an
+    answer is its prefill (the engine's TTFT) and its decoding; prefill is compute-bound, so N clients'
+    prefills run one after another and N clients reach at most latency / prefill x the 1-client
+    throughput, however cheap their decoding; and a step for 8 sequences decodes at most
+    8 x (1-sequence step) / (8-sequence step) x one sequence's rate."""
+    one = next((lv for lv in levels if lv["clients"] == 1), None)
+    if one is None or not one["engine_ttft_p50_s"]:
+        return None
+    out: dict[str, Any] = {"latency_1_s": one["latency_p50_s"], "prefill_1_s": one["engine_ttft_p50_s"],
+                           "prefill_bound_x": round(one["latency_p50_s"] / one["engine_ttft_p50_s"], 2),
+                           "context_tokens": one["prompt_tokens_p50"], "step_ms": step_ms}
+    if 1 in step_ms and 8 in step_ms:
+        out["decode_bound_8_x"] = round(8 * step_ms[1] / step_ms[8], 2)
+    return out
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -203,6 +260,18 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{lv['ttft_p50_s']:.3f} | {lv['ttft_p99_s']:.3f} | {lv.get('latency_p50_s', float('nan')):.3f} | "
                      f"{lv.get('latency_p99_s', float('nan')):.3f} | {lv['engine_ttft_p50_s']:.3f} |")
     lines += ["", "TTFT and latency at the client include queueing and retrieval is not counted in them (ids are retrieved before)."]
+    cl = result.get("ceilings")
+    if cl:
+        lines += ["", f"Where the ratio stops on this machine (this run's figures): at 1 client an answer takes {cl['latency_1_s']:.2f} s "
+                  f"(p50), {cl['prefill_1_s']:.2f} s of it the engine's prefill (TTFT, {cl['context_tokens']:.0f} prompt tokens). "
+                  f"Prefill is compute-bound on all {result['meta'].get('cpu_count')} cores, so concurrent requests' prefills run one "
+                  f"after another: however cheap their decoding, N clients reach at most {cl['prefill_bound_x']:.1f}x the "
+                  "1-client throughput."]
+        if "decode_bound_8_x" in cl:
+            sm = cl["step_ms"]
+            lines[-1] += (f" A decode step for 8 sequences (`LeanStep.many`, that context each) took {sm[8]:.1f} ms against "
+                          f"{sm[1]:.1f} ms for one: 8 answers decode together at most {cl['decode_bound_8_x']:.1f}x one answer's "
+                          "rate without drafts (a lone answer also feeds prompt-lookup drafts, kvrag.decode.draft).")
     d = result.get("decode")
     if d:
         for r in d["rows"]:
@@ -242,18 +311,28 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KVRAG_HOME"] = str(out / "home")  # before kvrag reads it: index, KV store and gate verdicts live here
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+    url, server = (args.server.rstrip("/"), None) if args.server else start_server(args)
+    if server is None:
+        drive(args, out, url)
+    else:
+        serve_while(server, lambda: drive(args, out, url))
+    return 0
+
+
+def drive(args: argparse.Namespace, out: Path, url: str) -> None:
+    """The benchmark against the server at `url`; model work of this process on the model's home thread."""
     from kvrag.ingest.samples import sample_corpus_dir, sample_questions
     from kvrag.ingest.documents import load_documents
     from kvrag.client import ingest_via_server
+    from kvrag.model.home_thread import on_home
 
-    url, server = (args.server.rstrip("/"), None) if args.server else start_server(args)
     chunks = load_documents([sample_corpus_dir()])
     if args.no_index:
         index: Any = WordOverlap(chunks)
     else:
         from kvrag.ingest.retrieval import ChunkIndex
 
-        index = ChunkIndex(out / "home" / "chroma")
+        index = OnHome(on_home(ChunkIndex, out / "home" / "chroma"))  # its embedder is a torch model too
         index.add(chunks)
     report = ingest_via_server(url, chunks)
     print(f"server {url}: ingested {report['chunks']} chunks ({report['computed']} computed)", file=sys.stderr)
@@ -274,10 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     from kvrag.engine import KVRag
     from kvrag.eval.decode_speed import run_decode_bench
 
+    engine = getattr(args, "engine", None)
+    one = next((lv for lv in levels if lv["clients"] == 1), None)
+    step_ms = {}
+    if engine is not None and one is not None:  # in-process server, idle now: its model's batched step
+        from kvrag.eval.decode_speed import batched_step_ms
+
+        step_ms = on_home(batched_step_ms, engine.lm.model, int(one["prompt_tokens_p50"]) or 512)
     decode = None
     if not args.no_decode:
         engine = getattr(args, "engine", None) or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
-        decode = run_decode_bench(engine, [1024], new_tokens=64, repeats=2)
+        decode = on_home(run_decode_bench, engine, [1024], new_tokens=64, repeats=2)
     model = getattr(args, "model_label", None) or args.model or "bundled SmolLM2-135M-Instruct"
     result = {
         "meta": {"model": model, "method": args.method, "retrieval": "word overlap" if args.no_index else "chroma", "decode_weights": args.decode_weights or "model", "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
@@ -286,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "sequential": {"server": seq_server, "cli": seq_cli},
         "concurrency": levels,
         "decode": decode,
+        "ceilings": ceilings(levels, step_ms),
     }
     with urllib.request.urlopen(url + "/health", timeout=30) as resp:  # what the server says it runs with
         result["meta"]["max_concurrency"] = json.loads(resp.read())["queue"]["max_concurrency"]
@@ -294,9 +381,6 @@ def main(argv: list[str] | None = None) -> int:
     (out / "server_bench.md").write_text(md)
     plot(result, out / "server_bench.png")
     print(md)
-    if server is not None:
-        server.should_exit = True
-    return 0
 
 
 if __name__ == "__main__":

@@ -74,6 +74,40 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
+def batched_step_ms(model: Any, context_tokens: int, sizes: Sequence[int] = (1, 8), repeats: int = 8) -> dict[int, float]:
+    """Milliseconds of one batched decode step (`LeanStep.many`, the CPU's) for each number of sequences
+    in `sizes`, every sequence over its own `context_tokens` of K/V (random: timing only), the sizes
+    interleaved and the median of `repeats` kept. Why: how much more a step of 8 sequences costs than
+    a step of one is what batching can give at most (the server benchmark's ceiling). {} without a lean step."""
+    step = lean_step(model)
+    if step is None:
+        return {}
+    cfg = model.config
+    param = next(model.parameters())
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (1, kv_heads, context_tokens + repeats + 4, head_dim)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def buffers() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2))  # type: ignore[misc]
+                for _ in range(cfg.num_hidden_layers)]
+
+    seqs = [buffers() for _ in range(max(sizes))]
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    for i in range(repeats + 1):  # the first round warms up
+        for b in sizes:
+            tokens = torch.full((b, 1), 100 + i, device=param.device)
+            positions = torch.full((b, 1), context_tokens + i, device=param.device)
+            t = time.perf_counter()
+            step.many(tokens, positions, [(seqs[j], context_tokens + i) for j in range(b)])
+            if param.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times[b].append((time.perf_counter() - t) * 1000)
+    return {b: round(statistics.median(v), 1) for b, v in times.items()}
+
+
 def _engine_decode(rag: Any, question: str, chunks: list[Chunk], new_tokens: int, static: bool | None,
                    drafts: int = DEFAULT_DRAFT_TOKENS) -> tuple[float, list[int], int]:
     """Decode tok/s, the tokens, and the forwards they took."""
