@@ -166,3 +166,31 @@ def test_the_bundled_model_answers_four_concurrent_requests_as_it_answers_each_a
     together = concurrently(ask, jobs)
     assert together == alone
     assert batcher.stats.largest >= 2 or largest >= 2
+
+
+def test_the_batched_step_timer_times_every_size_over_its_own_buffers(rag):
+    """kvrag.eval.decode_speed.batched_step_ms (the server benchmark's decode ceiling): a positive
+    median for every size asked, on any supported architecture, and nothing written to the model."""
+    from kvrag.eval.decode_speed import batched_step_ms
+
+    before = {k: v.clone() for k, v in rag.lm.model.state_dict().items()}
+    ms = batched_step_ms(rag.lm.model, 24, sizes=(1, 3), repeats=2)
+    assert set(ms) == {1, 3} and all(v > 0 for v in ms.values())
+    assert all(torch.equal(v, before[k]) for k, v in rag.lm.model.state_dict().items())
+
+
+def test_the_server_benchmark_states_its_ceilings_from_its_own_figures():
+    """scripts/server_bench.py: latency / prefill at 1 client bounds any number of clients; 8 x the one-row
+    step / the eight-row step bounds eight answers decoding together; no 1-client level, no ceiling."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "server_bench.py"
+    spec = importlib.util.spec_from_file_location("server_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    one = {"clients": 1, "latency_p50_s": 1.0, "engine_ttft_p50_s": 0.5, "prompt_tokens_p50": 580}
+    got = mod.ceilings([one, {**one, "clients": 8}], {1: 36.0, 8: 90.0})
+    assert got["prefill_bound_x"] == 2.0 and got["decode_bound_8_x"] == 3.2
+    assert "decode_bound_8_x" not in mod.ceilings([one], {})
+    assert mod.ceilings([{**one, "clients": 2}], {1: 1.0, 8: 2.0}) is None
