@@ -61,11 +61,14 @@ def ask_via_server(
     recompute_ratio: float | None = None,
     max_new_tokens: int | None = None,
     temperature: float | None = None,
+    stop_at: str | None = None,
     params: dict[str, Any] | None = None,
+    policy: dict[str, Any] | None = None,
     timeout: float = 300.0,
 ) -> tuple[str, AnswerStats]:
     """Answer `question` on the server at `url` (e.g. http://127.0.0.1:8600), from chunks by id or
-    with their text (none: plain chat). Returns the answer's text and the engine's stats."""
+    with their text (none: plain chat); `policy`: read-whole policies for this request
+    (`read_whole_policy`). Returns the answer's text and the engine's stats."""
     ctx: dict[str, Any] = {}
     if chunk_ids is not None:
         ctx["chunk_ids"] = list(chunk_ids)
@@ -74,13 +77,13 @@ def ask_via_server(
     if chunk_ids is None and chunks is None:
         ctx["retrieve"] = False  # none: plain chat, not the server's own retrieval
     out = _ask(url, question, ctx, method=method, recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
-               temperature=temperature, params=params, timeout=timeout)
+               temperature=temperature, stop_at=stop_at, params=params, policy=policy, timeout=timeout)
     return out["choices"][0]["message"]["content"], AnswerStats.from_dict(out.get("kvrag_stats", {}))
 
 
 def ask_retrieving_via_server(url: str, question: str, *, top_k: int | None = None, **options: Any) -> tuple[str, AnswerStats, list[Chunk]]:
     """Answer `question` from the server's own retrieval (the top-k chunks of its index); `options` are
-    `ask_via_server`'s (method, recompute_ratio, max_new_tokens, temperature, params, timeout). Returns
+    `ask_via_server`'s (method, recompute_ratio, max_new_tokens, temperature, stop_at, params, policy, timeout). Returns
     the answer's text, the engine's stats and the chunks it read (id, title, source; no text): none
     when the server found nothing (its index is empty) and answered as plain chat."""
     ctx: dict[str, Any] = {"retrieve": True, **({"top_k": top_k} if top_k is not None else {})}
@@ -91,8 +94,8 @@ def ask_retrieving_via_server(url: str, question: str, *, top_k: int | None = No
 
 
 def _ask(url: str, question: str, ctx: dict[str, Any], *, method: str | None = None, recompute_ratio: float | None = None,
-         max_new_tokens: int | None = None, temperature: float | None = None, params: dict[str, Any] | None = None,
-         timeout: float = 300.0) -> dict[str, Any]:
+         max_new_tokens: int | None = None, temperature: float | None = None, stop_at: str | None = None,
+         params: dict[str, Any] | None = None, policy: dict[str, Any] | None = None, timeout: float = 300.0) -> dict[str, Any]:
     """One non-streamed chat completion for `question` with the kvrag context `ctx` and these options."""
     body: dict[str, Any] = {"model": "kvrag", "messages": [{"role": "user", "content": question}]}
     if max_new_tokens is not None:
@@ -103,8 +106,14 @@ def _ask(url: str, question: str, ctx: dict[str, Any], *, method: str | None = N
         ctx["method"] = method
     if recompute_ratio is not None:
         ctx["recompute_ratio"] = recompute_ratio
+    if stop_at is not None:
+        ctx["stop_at"] = stop_at
     if params:
         ctx["params"] = dict(params)
+    unknown = set(policy or ()) - set(POLICY_FIELDS)
+    if unknown:
+        raise ValueError(f"policy: unknown {sorted(unknown)} (one of {POLICY_FIELDS})")
+    ctx.update({name: value for name, value in (policy or {}).items() if value is not None})
     body["kvrag"] = ctx
     return _post(url, "/v1/chat/completions", body, timeout)
 
@@ -136,6 +145,15 @@ def health(url: str, timeout: float = 5.0) -> dict[str, Any]:
     return _call(url, "/health", "GET", None, timeout)
 
 
+POLICY_FIELDS = ("min_recompute", "short_context", "records_whole")  # the read-whole policies a request may set
+
+
+def read_whole_policy(options: AnswerOptions | Any) -> dict[str, Any]:
+    """The read-whole policies `options` (AnswerOptions, or anything with those attributes) set, for a
+    request's `kvrag` field; unset ones (None) are left to the server's own settings."""
+    return {name: getattr(options, name) for name in POLICY_FIELDS if getattr(options, name, None) is not None}
+
+
 def request_body(
     text: str,
     chunk_ids: Sequence[str] | None = None,
@@ -161,7 +179,7 @@ def request_body(
         body["seed"] = dec.seed
     ratio = "auto" if isinstance(opts.recompute_ratio, AutoRatio) else opts.recompute_ratio
     ctx: dict[str, Any] = {"method": method, "recompute_ratio": ratio, "kv_kind": opts.kv_kind, "stop_at": dec.stop_at,
-                           "params": dict(opts.method_params)}
+                           "params": dict(opts.method_params), **read_whole_policy(opts)}
     if chunks is not None:
         ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
     elif chunk_ids is not None:

@@ -203,3 +203,27 @@ def test_kvrag_ask_through_a_server_with_nothing_indexed_anywhere_is_an_error(tm
         monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "empty-home"))
         assert main(["ask", "--server", live.url, "--max-new-tokens", "3", "What do bees make?"]) == 2
     assert "neither this machine's index nor the server's" in capsys.readouterr().err
+
+
+def test_kvrag_ask_through_a_server_sends_its_read_whole_flags(served, tmp_path, monkeypatch, capsys):
+    """--short-context, --min-recompute and --records-whole reach the server with the request (they were
+    refused through --server before); unset, the server's own defaults apply."""
+    from kvrag.cli.app import main
+
+    live, http, _ = served
+    http.post("/v1/chunks", json={"chunks": chunk_json(FACTS)})
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "empty-home"))
+    ask = ["ask", "--server", live.url, "--max-new-tokens", "3", "--json", "--method", "reuse", "What do bees make?"]
+    assert main(ask) == 0  # the policies are off for the test session (conftest), on the server too
+    assert json.loads(capsys.readouterr().out)["stats"]["full_reason"] == ""
+    assert main(ask[:-1] + ["--short-context", "1000", "--records-whole", "off", ask[-1]]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["full_reason"]  # three one-line facts: a short context
+
+
+def test_remote_requests_carry_the_options_read_whole_policies_and_only_those_set():
+    from kvrag.client import request_body
+    from kvrag.options import AnswerOptions
+
+    ctx = request_body("q", ["a"], options=AnswerOptions(short_context=0, records_whole=False))["kvrag"]
+    assert ctx["short_context"] == 0 and ctx["records_whole"] is False and "min_recompute" not in ctx
+    assert not {"short_context", "records_whole", "min_recompute"} & set(request_body("q", ["a"])["kvrag"])

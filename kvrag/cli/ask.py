@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ask.add_argument("--records-whole", choices=("on", "off"), default=None,
                      help="chunks that are records of one kind (one phrasing, other names and values) are read with Full "
                           "Attention by every method (default: on, or $KVRAG_RECORDS_WHOLE)")
-    ask.add_argument("--stop-at", choices=STOP_RULES, default=DEFAULT_STOP_AT, help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT})")
+    ask.add_argument("--stop-at", choices=STOP_RULES, default=None,
+                     help=f"end the answer after its first sentence or line (default {DEFAULT_STOP_AT}; with --server: the server's)")
     ask.add_argument("-k", "--top-k", type=positive_int, default=DEFAULT_K, help=f"chunks to retrieve (default {DEFAULT_K})")
     ask.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens the answer may have")
     ask.add_argument("--draft-tokens", type=draft_count, default=None, metavar="N",
@@ -84,11 +85,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         recompute_ratio=args.recompute_ratio,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
-        stop_at=args.stop_at,
+        stop_at=args.stop_at or DEFAULT_STOP_AT,
         draft_tokens=args.draft_tokens,
-        min_recompute=args.min_recompute,
-        short_context=args.short_context,
-        records_whole=None if args.records_whole is None else args.records_whole == "on",
+        **read_whole_flags(args),
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
         **dict(params),
     )
@@ -140,6 +139,13 @@ def source_lines(chunks: Sequence[Chunk], width: int = 100) -> str:
     return "\n".join(out)
 
 
+def read_whole_flags(args: argparse.Namespace) -> dict:
+    """--min-recompute, --short-context and --records-whole as AnswerOptions fields (None: not given,
+    the engine's or the server's default applies)."""
+    return {"min_recompute": args.min_recompute, "short_context": args.short_context,
+            "records_whole": None if args.records_whole is None else args.records_whole == "on"}
+
+
 def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
     """Retrieval here when this machine has an index, else the server's own (what it ingested)."""
     from kvrag.client import ask_retrieving_via_server, ask_via_server
@@ -148,12 +154,8 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
         raise KVRagError("--evict-budget is not available through --server")
     if args.draft_tokens is not None:
         raise KVRagError("--draft-tokens is not available through --server (the server decodes with its default)")
-    policy = [flag for flag, value in (("--min-recompute", args.min_recompute), ("--short-context", args.short_context),
-                                       ("--records-whole", args.records_whole)) if value is not None]
-    if policy:
-        raise KVRagError(f"{', '.join(policy)}: not available through --server (the server's setting applies)")
     options = dict(method=args.method, recompute_ratio=args.recompute_ratio, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, params=params)
+                   temperature=args.temperature, stop_at=args.stop_at, params=params, policy=read_whole_flags(args))
     if common.index_size(args):
         chunks = common.retrieve(common.open_index(args), args.question, args.top_k)
         text, stats = ask_via_server(args.server, args.question, chunks=chunks, **options)
