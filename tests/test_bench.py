@@ -129,6 +129,21 @@ def test_quick_bench_end_to_end(kvrag_home, tmp_path, capsys):
     assert {r["context_tokens"] // 100 for r in speed["rows"]} and speed["meta"]["random_weights"] is False
     assert all(r["decode_tok_s"] > 0 for r in speed["rows"]) and speed["meta"]["decode_tokens"] == 2
     assert "## Quality" in (out / "summary.md").read_text()
+    assert not (out / "kv").exists() and "removed this run's KV store" in capsys.readouterr().err  # a completed run's cache
+
+
+def test_a_completed_run_removes_only_its_own_default_store(tmp_path):
+    import argparse
+
+    from kvrag.cli.bench_run import drop_default_store
+
+    for store, keep, kept in ((None, False, False), (None, True, True), ("disk:///elsewhere", False, True)):
+        out = tmp_path / f"{store is None}-{keep}"
+        (out / "kv" / "ab").mkdir(parents=True)
+        (out / "kv" / "ab" / "entry").write_bytes(b"x" * 10)
+        (out / "records.jsonl").write_text("{}\n")
+        drop_default_store(argparse.Namespace(store=store, keep_store=keep), out)
+        assert (out / "kv").exists() == kept and (out / "records.jsonl").is_file()
 
 
 def test_bench_input_errors(tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -75,8 +76,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(markdown_table(summarize(load_records(records))))
     if args.contexts != "none":
         _speed_sweep(args, rag, methods, 0.15, meta, store)
+    drop_default_store(args, out)
     print(f"results in {out}/ (summary.md, summary.json, records.jsonl, PNG plots)", file=sys.stderr)
     return 0
+
+
+def drop_default_store(args: argparse.Namespace, out: Path) -> None:
+    """Remove the run's own KV store (OUT/kv, the default) once the run has completed: it is a cache
+    of the chunks' KV, 1-2 GB for a few hundred questions, and a stopped run keeps it to resume from.
+    A store the user named (--store), or --keep-store, is left as it is."""
+    kv = out / "kv"
+    if args.store or getattr(args, "keep_store", False) or not kv.is_dir():
+        return
+    size = sum(f.stat().st_size for f in kv.rglob("*") if f.is_file())
+    shutil.rmtree(kv, ignore_errors=True)
+    print(f"removed this run's KV store {kv} ({size / 1e9:.2f} GB; --keep-store keeps it)", file=sys.stderr)
 
 
 def _bench_merge(args: argparse.Namespace, out: Path, meta: dict) -> int:
@@ -135,6 +149,7 @@ def _bench_speed(args: argparse.Namespace, methods: list[str], ratio: float, sto
     else:
         rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype, link_adapter=BASE_WEIGHTS)
     _speed_sweep(args, rag, methods, ratio, meta, store, random_weights=bool(args.shape))
+    drop_default_store(args, Path(args.out))
     print(f"results in {args.out}/ (speed.md, speed.json, ttft_vs_context.png)", file=sys.stderr)
     return 0
 
@@ -185,6 +200,7 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
     results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes)
     meta.update(model=rag.lm.source, tuned=tuned)
     verdict = write_suite(results, out, meta)
+    drop_default_store(args, out)
     print((out / "suite.md").read_text())
     print(f"default by the rule: {verdict['default']}; results in {out}/ (suite.md, suite.json, suite.png)", file=sys.stderr)
     return 0
