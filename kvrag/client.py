@@ -148,10 +148,10 @@ def health(url: str, timeout: float = 5.0) -> dict[str, Any]:
 POLICY_FIELDS = ("min_recompute", "short_context", "records_whole")  # the read-whole policies a request may set
 
 
-def read_whole_policy(options: AnswerOptions | Any) -> dict[str, Any]:
-    """The read-whole policies `options` (AnswerOptions, or anything with those attributes) set, for a
-    request's `kvrag` field; unset ones (None) are left to the server's own settings."""
-    return {name: getattr(options, name) for name in POLICY_FIELDS if getattr(options, name, None) is not None}
+def read_whole_policy(options: AnswerOptions) -> dict[str, Any]:
+    """The read-whole policies `options` set, for a request's `kvrag` field; unset ones (None) are
+    left to the server's own settings."""
+    return {name: getattr(options, name) for name in POLICY_FIELDS if getattr(options, name) is not None}
 
 
 def request_body(

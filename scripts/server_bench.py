@@ -230,7 +230,7 @@ def ceilings(levels: list[dict[str, Any]], step_ms: dict[int, float]) -> dict[st
         return None
     out: dict[str, Any] = {"latency_1_s": one["latency_p50_s"], "prefill_1_s": one["engine_ttft_p50_s"],
                            "prefill_bound_x": round(one["latency_p50_s"] / one["engine_ttft_p50_s"], 2),
-                           "context_tokens": one["prompt_tokens_p50"], "step_ms": step_ms}
+                           "context_tokens": one["prompt_tokens_p50"], "step_ms": {str(b): ms for b, ms in step_ms.items()}}
     if 1 in step_ms and 8 in step_ms:
         out["decode_bound_8_x"] = round(8 * step_ms[1] / step_ms[8], 2)
     return out
@@ -269,8 +269,8 @@ def markdown(result: dict[str, Any]) -> str:
                   "1-client throughput."]
         if "decode_bound_8_x" in cl:
             sm = cl["step_ms"]
-            lines[-1] += (f" A decode step for 8 sequences (`LeanStep.many`, that context each) took {sm[8]:.1f} ms against "
-                          f"{sm[1]:.1f} ms for one: 8 answers decode together at most {cl['decode_bound_8_x']:.1f}x one answer's "
+            lines[-1] += (f" A decode step for 8 sequences (`LeanStep.many`, that context each) took {sm['8']:.1f} ms against "
+                          f"{sm['1']:.1f} ms for one: 8 answers decode together at most {cl['decode_bound_8_x']:.1f}x one answer's "
                           "rate without drafts (a lone answer also feeds prompt-lookup drafts, kvrag.decode.draft).")
     d = result.get("decode")
     if d:
