@@ -221,8 +221,9 @@ def concurrent_level(url: str, work: list[tuple[str, list[str]]], clients: int, 
 
 def ceilings(levels: list[dict[str, Any]], step_ms: dict[int, float]) -> dict[str, Any] | None:
     """What batching can give at most on this machine, from this run's own figures: at 1 client an
-    answer is its prefill (the engine's TTFT) and its decoding; prefill is compute-bound, so N clients'
-    prefills run one after another and N clients reach at most latency / prefill x the 1-client
+    answer is its prefill (the engine's TTFT) and its decoding; the server runs one forward at a time
+    (and on a CPU a prefill is compute-bound), so N clients' prefills run one after another and N
+    clients reach at most latency / prefill x the 1-client
     throughput, however cheap their decoding; and a step for 8 sequences decodes at most
     8 x (1-sequence step) / (8-sequence step) x one sequence's rate."""
     one = next((lv for lv in levels if lv["clients"] == 1), None)
@@ -264,9 +265,9 @@ def markdown(result: dict[str, Any]) -> str:
     if cl:
         lines += ["", f"Where the ratio stops on this machine (this run's figures): at 1 client an answer takes {cl['latency_1_s']:.2f} s "
                   f"(p50), {cl['prefill_1_s']:.2f} s of it the engine's prefill (TTFT, {cl['context_tokens']:.0f} prompt tokens). "
-                  f"Prefill is compute-bound on all {result['meta'].get('cpu_count')} cores, so concurrent requests' prefills run one "
-                  f"after another: however cheap their decoding, N clients reach at most {cl['prefill_bound_x']:.1f}x the "
-                  "1-client throughput."]
+                  "The server runs one forward at a time, so concurrent requests' prefills run one after another (on a CPU a "
+                  f"prefill keeps every core busy anyway): however cheap their decoding, N clients reach at most "
+                  f"{cl['prefill_bound_x']:.1f}x the 1-client throughput."]
         if "decode_bound_8_x" in cl:
             sm = cl["step_ms"]
             lines[-1] += (f" A decode step for 8 sequences (`LeanStep.many`, that context each) took {sm['8']:.1f} ms against "
