@@ -139,8 +139,7 @@ class KVRagCore:
 
     def _prefill_resolved(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
         """`prefill` once the request's chunks are resolved (`KVRag` routes kvlink to its adapter's weights here)."""
-        n_context = sum(len(ids) for ids in resolved.token_ids)
-        if opts.kv_kind == KIND_CHUNK and not opts.resolved_method().full_attention and not opts.reads_whole(resolved.chunks, n_context):
+        if opts.kv_kind == KIND_CHUNK and not opts.resolved_method().full_attention and not opts.whole_reason_for(resolved):
             self.repo.read_ahead(resolved)  # outside the model lock: see KVRepository.read_ahead
         return self.pipeline.prefill(question, resolved, opts)
 

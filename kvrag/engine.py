@@ -144,8 +144,7 @@ class KVRag(KVRagCore):
         fast = self._fast
         if fast is None or opts.resolved_method().name != TUNED_METHOD or opts.kv_kind != KIND_CHUNK:
             return super()._prefill_resolved(question, resolved, opts)
-        n_context = sum(len(ids) for ids in resolved.token_ids)
-        if n_context == 0 or opts.reads_whole(resolved.chunks, n_context):
+        if sum(len(ids) for ids in resolved.token_ids) == 0 or opts.whole_reason_for(resolved):
             return super()._prefill_resolved(question, resolved, opts)  # read whole, over the base weights
         pre = fast._prefill_resolved(question, fast.rekey(resolved), opts)
         pre.stats.weights = "adapter"
@@ -201,7 +200,8 @@ class _AdapterPath(KVRagCore):
 
     def rekey(self, resolved: Resolved) -> Resolved:
         """The base path's resolved chunks (ids looked up there, token ids known) keyed for these weights."""
-        return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.key(KIND_CHUNK, ids) for ids in resolved.token_ids])
+        return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.key(KIND_CHUNK, ids) for ids in resolved.token_ids],
+                        whole=resolved.whole)
 
 
 def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layout: PromptLayout) -> LinkAdapter | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from kvrag.methods.auto_ratio import AutoRatio
 from kvrag.decode.stream import DecodeConfig
@@ -13,6 +13,9 @@ from kvrag.methods.snapkv import SnapKV
 from kvrag.methods import Method, get_method
 from kvrag.methods.alike import records_of_one_kind
 from kvrag.types import Chunk
+
+if TYPE_CHECKING:
+    from kvrag.kv.registry import Resolved
 
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
@@ -151,9 +154,12 @@ class AnswerOptions:
             return "the chunks are records of one kind (records_whole): answered with Full Attention"
         return ""
 
-    def reads_whole(self, chunks: Sequence[Chunk], context_tokens: int) -> bool:
-        """Whether the policy reads this request whole with Full Attention (`whole_reason`)."""
-        return bool(self.whole_reason(chunks, context_tokens))
+    def whole_reason_for(self, resolved: "Resolved") -> str:
+        """`whole_reason` for one request's resolved chunks, decided once and kept with them: the
+        read-ahead, kvlink's routing and the pipeline all ask it."""
+        if resolved.whole is None:
+            resolved.whole = self.whole_reason(resolved.chunks, sum(len(ids) for ids in resolved.token_ids))
+        return resolved.whole
 
     def with_default_method(self, method: str) -> "AnswerOptions":
         """These options, with `method` where they name none (what the engine does on every request)."""

@@ -92,8 +92,7 @@ class RequestPipeline:
         t0 = clock(self.lm.device)
         meth = opts.resolved_method()
         stats = AnswerStats(method=meth.name)
-        n_context = sum(len(ids) for ids in resolved.token_ids)
-        reason = opts.whole_reason(resolved.chunks, n_context)
+        reason = opts.whole_reason_for(resolved)
         whole = bool(reason)
         if whole:  # short, or records of one kind: Full Attention (no link slots), and the stats say why
             stats.full_reason = reason

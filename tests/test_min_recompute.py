@@ -133,3 +133,16 @@ def test_shipped_default_reads_records_whole(rag, shipped_defaults):
     out = rag.answer(RQ, RECORD_IDS, method="fusionrag", max_new_tokens=4, short_context=0, min_recompute=0)
     assert "records of one kind" in out.stats.full_reason
     assert out.stats.recomputed_tokens == out.stats.context_tokens
+
+
+@pytest.mark.parametrize("method", ["fusionrag", "kvlink"])
+def test_the_read_whole_policy_is_decided_once_a_request(rag, method, monkeypatch):
+    """The read-ahead, kvlink's routing and the pipeline share one verdict per request (kept with its
+    resolved chunks), and every request decides afresh."""
+    calls = []
+    decide = AnswerOptions.whole_reason
+    monkeypatch.setattr(AnswerOptions, "whole_reason", lambda self, *a: calls.append(1) or decide(self, *a))
+    rag.precompute(RECORDS, progress=False)
+    assert "records of one kind" in rag.prefill(RQ, RECORD_IDS, method=method, records_whole=True).stats.full_reason
+    assert rag.prefill(RQ, RECORD_IDS, method=method, records_whole=False).stats.full_reason == ""
+    assert len(calls) == 2

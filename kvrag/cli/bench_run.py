@@ -86,7 +86,7 @@ def drop_default_store(args: argparse.Namespace, out: Path) -> None:
     of the chunks' KV, 1-2 GB for a few hundred questions, and a stopped run keeps it to resume from.
     A store the user named (--store), or --keep-store, is left as it is."""
     kv = out / "kv"
-    if args.store or getattr(args, "keep_store", False) or not kv.is_dir():
+    if args.store or args.keep_store or not kv.is_dir():
         return
     size = sum(f.stat().st_size for f in kv.rglob("*") if f.is_file())
     shutil.rmtree(kv, ignore_errors=True)

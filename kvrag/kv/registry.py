@@ -82,6 +82,7 @@ class Resolved:
     loaded: dict[int, KVEntry] = field(default_factory=dict)
     read_ahead: set[int] = field(default_factory=set)  # of `loaded`: read from the store before the model lock
     read_s: float = 0.0  # time that read took (part of the answer's load time and TTFT)
+    whole: str | None = None  # its request's read-whole verdict (AnswerOptions.whole_reason_for), once decided
 
 
 class ChunkRegistry:

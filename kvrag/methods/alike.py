@@ -39,7 +39,7 @@ def shared_share(texts: Sequence[str], n: int) -> float:
 
 def records_of_one_kind(texts: Sequence[str]) -> bool:
     """Whether the chunks share a pattern (many short phrases in common) without copying each other.
-    Asked up to three times per request (read-ahead, routing, prefill): remembered for recent contexts."""
+    Asked once a request: remembered for recent contexts (a server sees the same retrievals again)."""
     return len(texts) > 1 and _records_of_one_kind(tuple(texts))
 
 
