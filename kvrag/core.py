@@ -6,6 +6,7 @@ itself drives one to measure a model, and `KVRag` (kvrag.engine) adds both on to
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -18,7 +19,9 @@ from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
 from kvrag.kv.precompute import KVComputer
 from kvrag.model.cache import LayerStack
 from kvrag.ingest.prompt_match import match_prompt
+from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.kv.repository import KVRepository, PrecomputeReport, Resolved
+from kvrag.chat import Conversation
 from kvrag.model.rope import Rotary
 from kvrag.fuse.stitch import Stitched
 from kvrag.kv.layout import Segments
@@ -34,8 +37,11 @@ class KVRagCore:
         store: KVStore | str | None = None,
         layout: PromptLayout | None = None,
         batch_size: int = 8,
+        prefix_cache: PrefixCache | None = None,
         **layout_kwargs: Any,
     ) -> None:
+        """`prefix_cache`: where finished turns' KV is kept for the next turn (kvrag.kv.prefix_cache;
+        default: a new one bounded by $KVRAG_PREFIX_CACHE_MB, 1 GiB; `PrefixCache(0)` keeps nothing)."""
         self.lm = lm
         self.layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
         if store is None or isinstance(store, str):  # default: memory -> disk on CPU; GPU -> pinned host -> disk on CUDA
@@ -44,7 +50,8 @@ class KVRagCore:
         self.rotary = Rotary(lm.model)
         self.computer = KVComputer(lm, self.rotary)
         self.repo = KVRepository(lm, self.store, self.layout, self.computer, batch_size)
-        self.pipeline = RequestPipeline(self.repo, self.rotary, lambda: self.link_adapter)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        self.pipeline = RequestPipeline(self.repo, self.rotary, lambda: self.link_adapter, self.prefix_cache)
 
     @property
     def link_adapter(self) -> Any:
@@ -116,32 +123,45 @@ class KVRagCore:
     # -- answering --------------------------------------------------------------------------------
     def prefill(
         self,
-        question: str,
+        question: str | Conversation | None = None,
         chunk_ids: Sequence[str] | None = None,
         *,
         chunks: Sequence[Chunk] | None = None,
+        messages: Any = None,
         options: AnswerOptions | None = None,
         allow_empty: bool = False,
         **kwargs: Any,
     ) -> Prefill:
         """Everything up to the first token's logits: load, stitch, select, recompute.
 
-        `options` (or the same as keywords: method, recompute_ratio, kv_kind, evict, and the
-        method's own parameters). With `evict`, the question's queries are captured during the pass
-        so the cache can be evicted after the first token (in `decode`).
+        `question` (one question), or `messages` (a conversation: see `chat`). `options` (or the
+        same as keywords: method, recompute_ratio, kv_kind, evict, prefix_cache, and the method's own
+        parameters). With `evict`, the question's queries are captured during the pass so the cache
+        can be evicted after the first token (in `decode`).
         """
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError("question must be a non-empty string")
+        conv = self._conversation(question, messages)
         if isinstance(chunk_ids, (str, bytes)):
             raise TypeError(f"chunk_ids must be a list of ids, not one string ({chunk_ids!r}): pass [{chunk_ids!r}]")
         opts = self._options(options, kwargs)
-        return self._prefill_resolved(question, self.repo.lookup(chunk_ids, chunks, allow_empty), opts)
+        return self._prefill_resolved(conv, self.repo.lookup(chunk_ids, chunks, allow_empty), opts)
 
-    def _prefill_resolved(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
+    @staticmethod
+    def _conversation(question: str | Conversation | None, messages: Any) -> Conversation:
+        if messages is not None:
+            if question is not None:
+                raise TypeError("pass either a question or messages=, not both")
+            return Conversation.of(messages)
+        if isinstance(question, Conversation):
+            return question
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        return Conversation.ask(question)
+
+    def _prefill_resolved(self, question: str | Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool = True) -> Prefill:
         """`prefill` once the request's chunks are resolved (`KVRag` routes kvlink to its adapter's weights here)."""
         if opts.kv_kind == KIND_CHUNK and not opts.resolved_method().full_attention and not opts.whole_reason_for(resolved):
             self.repo.read_ahead(resolved)  # outside the model lock: see KVRepository.read_ahead
-        return self.pipeline.prefill(question, resolved, opts)
+        return self.pipeline.prefill(question, resolved, opts, documents)
 
     def stitched(self, chunks: Sequence[Chunk], segments: Segments) -> Stitched:
         """The stitched context of `chunks` laid out as `segments` (store hits; misses computed and
@@ -161,6 +181,41 @@ class KVRagCore:
         opts = self._options(options, kwargs)
         pre = self.prefill(question, chunk_ids, chunks=chunks, options=opts)
         return self.decode(pre, options=opts)
+
+    def stream_chat(
+        self,
+        messages: Any,
+        chunk_ids: Sequence[str] | None = None,
+        *,
+        chunks: Sequence[Chunk] | None = None,
+        options: AnswerOptions | None = None,
+        **kwargs: Any,
+    ) -> AnswerStream:
+        """Like `chat`, streaming: an iterator of text pieces (stats complete at the end)."""
+        opts = self._options(options, kwargs)
+        conv = Conversation.of(messages)
+        if chunk_ids is None and chunks is None:  # plain chat: the messages through the model's chat template
+            resolved = self.repo.lookup(None, None, allow_empty=True)
+            pre = self._prefill_resolved(conv, resolved, dataclasses.replace(opts, method="full"), documents=False)
+            pre.stats.path = "plain"
+        else:
+            pre = self.prefill(conv, chunk_ids, chunks=chunks, options=opts)
+        return self.decode(pre, options=opts)
+
+    def chat(self, messages: Any, chunk_ids: Sequence[str] | None = None, **kwargs: Any) -> Answer:
+        """Answer the last user message of a conversation from the given chunks.
+
+        `messages`: OpenAI-style dicts (`{"role": "user", "content": ...}`), `(role, content)` pairs,
+        LangChain or LlamaIndex message objects, or a `Conversation`. The prompt is the model's chat
+        template over the engine's instruction and the caller's system text, the chunks at the head
+        of the first user turn, then every turn; earlier turns and system text are read exactly,
+        like the question. `method="full"` reads exactly what `tokenizer.apply_chat_template` gives
+        for `layout.conversation_messages(chunks, conversation)`. A turn's KV is kept in the exact
+        prefix cache, so the next turn over the same chunks reads only its new tokens
+        (`stats.prefix_hit_tokens`; `prefix_cache=False` neither reads nor keeps it). With no
+        chunk_ids or chunks: plain chat, the messages alone through the chat template.
+        """
+        return self.stream_chat(messages, chunk_ids, **kwargs).answer()
 
     def decode(self, pre: Prefill, *, options: AnswerOptions | None = None, **kwargs: Any) -> AnswerStream:
         """Decode from a prefill (what `stream` does after `prefill`); the benchmark calls the two apart.

@@ -14,7 +14,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from kvrag.cache_backends import KVStore
 from kvrag.check.gate import gate
+from kvrag.chat import Conversation
 from kvrag.core import KVRagCore
+from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.decode.lean import use_decode_weights
 from kvrag.kv.layout import PromptLayout
 from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
@@ -54,6 +56,7 @@ class KVRag(KVRagCore):
         check: bool = True,
         link_adapter: str | Path | LinkAdapter | None = "auto",
         decode_weights: str | None = None,
+        prefix_cache: PrefixCache | None = None,
         **layout_kwargs: Any,
     ) -> None:
         """`check=True` runs the per-model correctness gate (`kvrag.check.checks.gate`) once per model
@@ -78,12 +81,14 @@ class KVRag(KVRagCore):
         model: "model" (its own weights: answers are the model's) or "int8" (on the CPU, ~1.4x the
         tokens/s of the bundled model; the answers may part from the model's own after some tokens:
         kvrag.decode.int8, `kvrag bench-decode`); None (default): as chosen before, else "model".
-        Prefill always reads the model's own weights. `stats.decode_weights` says what an answer used."""
+        Prefill always reads the model's own weights. `stats.decode_weights` says what an answer used.
+
+        `prefix_cache`: the exact prefix cache finished turns are kept in (see `KVRagCore`)."""
         layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
         adapter = _choose_adapter(link_adapter, lm, layout)
         self._link_adapter = adapter
         self.check_report = gate(lm) if check else None
-        super().__init__(lm, store=store, layout=layout, batch_size=batch_size)
+        super().__init__(lm, store=store, layout=layout, batch_size=batch_size, prefix_cache=prefix_cache)
         self._fast: _AdapterPath | None = None
         if adapter is not None and adapter.changes_model:
             self._fast = _AdapterPath(apply_adapter(lm, adapter), self, adapter)
@@ -128,7 +133,7 @@ class KVRag(KVRagCore):
         store: no second copy of the weights, no second merge."""
         other = KVRag.__new__(KVRag)
         other._link_adapter, other.check_report = self._link_adapter, self.check_report
-        KVRagCore.__init__(other, self.lm, store=store, layout=self.layout, batch_size=self.batch_size)
+        KVRagCore.__init__(other, self.lm, store=store, layout=self.layout, batch_size=self.batch_size, prefix_cache=self.prefix_cache)
         other._fast = None if self._fast is None else _AdapterPath(self._fast.lm, other, self._link_adapter)
         return other
 
@@ -138,14 +143,14 @@ class KVRag(KVRagCore):
         return TUNED_METHOD if self._fast is not None else DEFAULT_METHOD
 
     # -- the adapter's fast path ---------------------------------------------------------------------
-    def _prefill_resolved(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
+    def _prefill_resolved(self, question: str | Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool = True) -> Prefill:
         """kvlink over the adapter's weights when there are such weights and the context is long
         enough to reuse; everything else (Full Attention above all) over the base weights."""
         fast = self._fast
-        if fast is None or opts.resolved_method().name != TUNED_METHOD or opts.kv_kind != KIND_CHUNK:
-            return super()._prefill_resolved(question, resolved, opts)
+        if fast is None or opts.resolved_method().name != TUNED_METHOD or opts.kv_kind != KIND_CHUNK or not documents:
+            return super()._prefill_resolved(question, resolved, opts, documents)
         if sum(len(ids) for ids in resolved.token_ids) == 0 or opts.whole_reason_for(resolved):
-            return super()._prefill_resolved(question, resolved, opts)  # read whole, over the base weights
+            return super()._prefill_resolved(question, resolved, opts, documents)  # read whole, over the base weights
         pre = fast._prefill_resolved(question, fast.rekey(resolved), opts)
         pre.stats.weights = "adapter"
         return pre

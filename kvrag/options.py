@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
-OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context", "records_whole")  # AnswerOptions' own keyword fields
+OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context", "records_whole", "prefix_cache")  # AnswerOptions' own keyword fields
 DECODE_KEYS = tuple(f.name for f in dataclasses.fields(DecodeConfig))  # the decode settings, as keywords
 
 from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
@@ -76,12 +76,15 @@ class AnswerOptions:
     min_recompute: int | None = None  # chunk tokens recomputed at least (all: Full Attention); None: the default
     short_context: int | None = None  # chunk tokens up to which the prompt is read with Full Attention; None: the default
     records_whole: bool | None = None  # chunks that are records of one kind read with Full Attention; None: the default
+    prefix_cache: bool = True  # read a prompt's start from the exact prefix cache (an earlier turn) and keep this turn's KV there
 
     def __post_init__(self) -> None:
         for name in ("min_recompute", "short_context"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a whole number of tokens >= 0, got {value!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         if self.records_whole is not None and not isinstance(self.records_whole, bool):
             raise ValueError(f"records_whole must be True, False or None, got {self.records_whole!r}")
         ratio = self.recompute_ratio
@@ -160,6 +163,19 @@ class AnswerOptions:
         if resolved.whole is None:
             resolved.whole = self.whole_reason(resolved.chunks, sum(len(ids) for ids in resolved.token_ids))
         return resolved.whole
+
+    def prefix_signature(self, exact: bool) -> str | None:
+        """How this request's KV is computed, as the exact prefix cache keys it (kvrag.kv.prefix_cache):
+        "exact" for Full Attention (or a context read whole), else the method and every setting that
+        shapes its KV; None when the request neither reads nor keeps prefixes (turned off, or SnapKV
+        eviction, which leaves no full cache to keep)."""
+        if not self.prefix_cache or self.evict is not None:
+            return None
+        if exact:
+            return "exact"
+        method = self.method if isinstance(self.method, str) or self.method is None else repr(self.method)
+        params = sorted((str(k), repr(v)) for k, v in dict(self.method_params).items())
+        return repr((method, repr(self.recompute_ratio), self.kv_kind, params, self.min_recompute_tokens()))
 
     def with_default_method(self, method: str) -> "AnswerOptions":
         """These options, with `method` where they name none (what the engine does on every request)."""

@@ -7,6 +7,7 @@ decoding takes it per token, so concurrent streams interleave and an abandoned s
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -14,7 +15,8 @@ from typing import Callable, Iterator
 import torch
 
 from kvrag.model.attention import kernel_log
-from kvrag.model.cache import cache_kv, cache_nbytes
+from kvrag.chat import Conversation
+from kvrag.model.cache import cache_kv, cache_len, cache_nbytes
 from kvrag.decode.stream import DecodeConfig, DecodeState, stream_tokens
 from kvrag.errors import ContextTooLongError
 from kvrag.methods.snapkv import SnapKV
@@ -26,10 +28,13 @@ from kvrag.model.loading import decoder_of
 from kvrag.kv.kinds import KIND_CHUNK
 from kvrag.options import AnswerOptions
 from kvrag.fuse.probe import ProbeResult, capture_queries
+from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.kv.repository import KVRepository, Resolved
 from kvrag.model.rope import Rotary
 from kvrag.timing import clock
 from kvrag.types import Answer, AnswerStats, Chunk
+
+log = logging.getLogger("kvrag")
 
 
 @dataclass
@@ -44,6 +49,8 @@ class Prefill:
     stitched: Stitched | None = None
     window: ProbeResult | None = None  # the question's queries, captured when eviction is asked for
     selection: Selection | None = None  # the rule's pick and the scores behind it
+    prefix_signature: str | None = None  # how the exact prefix cache keeps this turn's KV once decoded (None: not kept)
+    prefix_min_hit: int = 0  # a later prompt must share this many tokens to continue from it
 
     @property
     def logits(self) -> torch.Tensor:
@@ -73,25 +80,30 @@ class AnswerStream:
 class RequestPipeline:
     """Answers one request at a time over a repository's KV with the shared recompute pass."""
 
-    def __init__(self, repo: KVRepository, rotary: Rotary, link_adapter: Callable[[], object]) -> None:
+    def __init__(self, repo: KVRepository, rotary: Rotary, link_adapter: Callable[[], object],
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.repo = repo
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.lm = repo.lm
         self.rotary = rotary
         self._link_adapter = link_adapter
         self._default_links: dict[int, torch.Tensor] = {}
 
     # -- prefill --------------------------------------------------------------------------------
-    def prefill(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
-        """Everything up to the first token's logits: load, stitch, select, recompute (under the model lock)."""
+    def prefill(self, question: str | Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool = True) -> Prefill:
+        """Everything up to the first token's logits: load, stitch, select, recompute (under the model lock).
+        `question`: one question, or a conversation (its last user message is the question);
+        `documents=False`: plain chat, the caller's messages alone through the chat template."""
+        conv = Conversation.of(question)
         with self.lm.lock, kernel_log() as kernels:
-            pre = self._prefill(question, resolved, opts)
+            pre = self._prefill(conv, resolved, opts, documents)
         pre.stats.attention_kernels = kernels
         return pre
 
-    def _prefill(self, question: str, resolved: Resolved, opts: AnswerOptions) -> Prefill:
+    def _prefill(self, conv: Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool) -> Prefill:
         t0 = clock(self.lm.device)
         meth = opts.resolved_method()
-        stats = AnswerStats(method=meth.name)
+        stats = AnswerStats(method=meth.name, turns=len(conv.turns))
         reason = opts.whole_reason_for(resolved)
         whole = bool(reason)
         if whole:  # short, or records of one kind: Full Attention (no link slots), and the stats say why
@@ -100,15 +112,31 @@ class RequestPipeline:
             links = LinkSlots()
         else:
             links = meth.prepare(PrepareContext(self.lm, len(resolved.token_ids), self._link_adapter, self._default_links))
-        segments = self.repo.layout.segments(resolved.token_ids, question, links=links.per_chunk)
+        segments = self.repo.layout.conversation_segments(resolved.token_ids, conv, links=links.per_chunk, documents=documents)
         reserve = opts.decode.max_new_tokens + 1
         self.check_length(segments)
         stats.prompt_tokens = segments.total_len
         stats.context_tokens = segments.chunk_tokens
         stats.question_tokens = len(segments.question)
-        prefix = self.repo.prefix_kv()
+        exact = meth.full_attention or whole
+        signature = opts.prefix_signature(exact)
+        min_hit = 0 if exact else segments.total_len  # an approximate state is continued whole, never cut
+        if signature is not None:
+            hit = self.prefix_cache.lookup(signature, segments.all_ids(), floor=len(segments.prefix))
+            if hit is not None:
+                out = full_prefill(self.lm, hit.stack, segments, reserve)
+                read_from = max(hit.tokens, len(segments.prefix))
+                stats.prefix_hit_tokens = hit.tokens
+                stats.recomputed_tokens = stats.chunk_prefill_tokens = max(0, segments.context_len - read_from)
+                if exact:
+                    stats.recompute_ratio = 1.0
+                stats.prefill_s = clock(self.lm.device) - t0
+                stats.ttft_s = stats.prefill_s
+                selected = torch.arange(read_from, max(read_from, segments.context_len))
+                return Prefill(out, segments, selected, stats, resolved.chunks, prefix_signature=signature, prefix_min_hit=min_hit)
+        prefix = self.repo.prefix_kv(segments.prefix)
 
-        if meth.full_attention or whole:
+        if exact:
             with self._window(opts.evict, segments) as window:
                 out = full_prefill(self.lm, prefix, segments, reserve)
             if window is not None:
@@ -117,7 +145,8 @@ class RequestPipeline:
             stats.chunk_prefill_tokens = stats.context_tokens
             stats.prefill_s = clock(self.lm.device) - t0
             stats.ttft_s = stats.prefill_s
-            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks, window=window)
+            return Prefill(out, segments, torch.arange(len(segments.prefix), segments.context_len), stats, resolved.chunks, window=window,
+                           prefix_signature=signature, prefix_min_hit=min_hit)
 
         layerwise = self.repo.layerwise_load
         stacks = self.repo.load_chunks(resolved, stats, opts.kv_kind, to_device=not layerwise)
@@ -143,13 +172,15 @@ class RequestPipeline:
         stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
         stats.recomputed_tokens = int(selection.positions.numel())
         stats.ttft_s = t4 - t0 + resolved.read_s  # the store read before the lock counts too
-        return Prefill(out, segments, selection.positions, stats, resolved.chunks, stitched, window, selection)
+        return Prefill(out, segments, selection.positions, stats, resolved.chunks, stitched, window, selection, signature, min_hit)
 
     def _select(self, meth: Method, stitched: Stitched, opts: AnswerOptions, stats: AnswerStats) -> tuple[Stitched, Selection]:
         """The rule's keep (sparsifying) and select steps. The budget is a share of the chunk tokens held;
         the first chunk's KV is already exact (computed right after the prefix), so a rule selects
         among the other chunks and the first is recomputed only when the budget exceeds them all."""
-        exact = 1 if opts.kv_kind == KIND_CHUNK else 0
+        # the first chunk's KV is exact only after the prefix it was computed after (not a caller's system message)
+        own_prefix = stitched.segments.prefix == list(self.repo.layout.prefix_ids)
+        exact = 1 if opts.kv_kind == KIND_CHUNK and own_prefix else 0
         if not meth.probed_layers_only:  # it may read any layer's KV: every layer first
             stitched.ensure_all()
         ctx = SelectContext(self.lm, self.rotary, stitched, exact)
@@ -195,7 +226,7 @@ class RequestPipeline:
         if [list(c) for c in segments.chunks] != resolved.token_ids:
             raise ValueError("segments do not hold these chunks' token ids")
         with self.lm.lock:
-            return stitch(self.repo.prefix_kv(), self.repo.load_chunks(resolved, AnswerStats()), segments, self.rotary)
+            return stitch(self.repo.prefix_kv(segments.prefix), self.repo.load_chunks(resolved, AnswerStats()), segments, self.rotary)
 
     @contextmanager
     def _window(self, evict: SnapKV | None, segments: Segments) -> Iterator[ProbeResult | None]:
@@ -254,6 +285,7 @@ class RequestPipeline:
                     break
                 yield piece
         finally:  # exhausted, or closed by a consumer that stopped early
+            tokens.close()  # the decoder hands its written length back to the cache first
             pre.stats.kv_bytes = cache_nbytes(pre.output.cache)
             pre.stats.decode_s = clock(self.lm.device) - t
             pre.stats.decode_setup_s = state.setup_s
@@ -261,3 +293,19 @@ class RequestPipeline:
             pre.stats.decode_forwards = state.forwards
             pre.stats.draft_accepted = state.accepted
             pre.stats.echoed_header = state.echoed.strip()
+            self._keep_turn(pre, state)
+
+    def _keep_turn(self, pre: Prefill, state: DecodeState) -> None:
+        """Keep this turn's KV (prompt + the answer tokens fed back) in the exact prefix cache, so the
+        next turn of the conversation (or another question over the same context read whole) reads
+        only what follows. Never fails an answer: a problem here is logged and the turn not kept."""
+        if pre.prefix_signature is None or not self.prefix_cache.enabled:
+            return
+        try:
+            n = cache_len(pre.output.cache)
+            ids = pre.segments.all_ids() + list(state.token_ids)
+            if n < pre.segments.total_len or n > len(ids):
+                return
+            self.prefix_cache.store(pre.prefix_signature, ids[:n], cache_kv(pre.output.cache), pre.prefix_min_hit)
+        except Exception as exc:  # noqa: BLE001 (a cache, never the answer's failure)
+            log.warning("the prefix cache did not keep this turn: %s", exc)

@@ -65,6 +65,8 @@ class AnswerStats:
     draft_accepted: int = 0  # tokens served from a drafted row the model agreed with, without a forward of their own
     full_reason: str = ""  # why a reuse method read the whole prompt with Full Attention (a short context, records of one kind), else ""
     echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the exact prefix cache (a finished earlier turn): not read again
+    turns: int = 1  # messages in the conversation answered (user and assistant; 1: a single question)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -109,6 +111,7 @@ class AnswerStats:
             f"kept={self.kept_kv_ratio:.2f} kv={self.kv_bytes / 1e6:.1f}MB decode={self.decode_tokens_per_s:.1f}tok/s"
             + (f" drafts_served={self.draft_accepted}" if self.draft_accepted else "")
             + (f" whole_chunks={self.whole_chunks}" if self.whole_chunks else "")
+            + (f" prefix_hit={self.prefix_hit_tokens}" if self.prefix_hit_tokens else "")
         )
 
 

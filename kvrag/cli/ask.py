@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any, Sequence
 
+from kvrag.kv.prefix_cache import without_prefix_cache
 from kvrag.cli import common
 from kvrag.types import Chunk
 from kvrag.cli.args import draft_count, positive_int, ratio_or_auto
@@ -195,6 +196,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 RAW = {"short_context": 0, "min_recompute": 0, "records_whole": False}  # the read-whole policies off: what a method does alone
 
 
+@without_prefix_cache
 def compare_with_full(rag, question: str, chunks, methods, raw: str | None = None) -> list[str]:
     """One line per method: its answer, TTFT speed-up over Full Attention, and how close the answer is
     to Full Attention's (never a speed-up without the quality beside it); `raw`: one more line, that

@@ -43,7 +43,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--link-adapter", default=d.link_adapter, type=link_adapter_arg,
                    help="auto/links: the shipped link embeddings (base weights); tuned: the shipped LoRA on kvlink's fast path; none; or a file")
     p.add_argument("--method", default=d.method, help="method when a request names none (see `kvrag methods`; default: the engine's, "
-                                                      "kvlink over a tuned model, else cacheblend)")
+                                                      "kvlink over a tuned model, else DEFAULT_METHOD: "
+                                                      "`kvrag methods` marks it)")
     p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
     p.add_argument("--decode-weights", choices=DECODE_WEIGHTS, default=d.decode_weights, help=DECODE_WEIGHTS_HELP)
@@ -52,6 +53,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "the index `kvrag ingest` fills, named in the response's kvrag_sources)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="chunks retrieved for a request that brings none")
     p.add_argument("--collection", default=d.collection, help="chroma collection under $KVRAG_HOME/chroma to retrieve from")
+    p.add_argument("--prefix-cache-mb", type=int, default=d.prefix_cache_mb,
+                   help="MB of finished turns' KV kept in memory so a conversation's next turn reads only its new tokens "
+                        "(0: off; default: $KVRAG_PREFIX_CACHE_MB, else 1024)")
+    p.add_argument("--retrieval-turns", type=int, default=d.retrieval_turns,
+                   help="user turns a follow-up retrieves with: its own and the ones before it (1: the last message alone)")
     p.add_argument("--accept-any-model", action="store_true", default=d.accept_any_model,
                    help='answer whatever `model` a chat request names (default: only the served model or "kvrag"; others get 404 model_not_found)')
     p.set_defaults(func=cmd_serve)
@@ -78,6 +84,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         decode_weights=args.decode_weights,
         retrieval=args.retrieval,
         top_k=args.top_k,
+        prefix_cache_mb=args.prefix_cache_mb,
+        retrieval_turns=args.retrieval_turns,
         collection=args.collection,
     )
 

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvrag.kv.prefix_cache import without_prefix_cache
 from kvrag.decode.lean import lean_step, use_decode_weights
 from kvrag.defaults import DEFAULT_DRAFT_TOKENS
 from kvrag.eval.draft_speed import draft_markdown, draft_speed
@@ -152,6 +153,7 @@ def int8_bytes(model: Any) -> int:
     return step.int8.nbytes + norms
 
 
+@without_prefix_cache
 def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeats: int = 3, int8: bool = False,
                      data: Path | None = None, draft_sets: Sequence[str] = (), draft_n: int = 8) -> dict[str, Any]:
     """Decode tokens/s per context length and path (medians of `repeats` interleaved runs), and the bound."""
@@ -210,6 +212,7 @@ def run_decode_bench(rag: Any, contexts: list[int], new_tokens: int = 64, repeat
     return out
 
 
+@without_prefix_cache
 def int8_agreement(rag: Any, new_tokens: int = 64) -> dict[str, Any]:
     """How close int8 decoding's answers are to the model's own: every bundled sample question in every
     phrasing, read over the chunks of its own document with the engine's default method, answered to

@@ -13,11 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvrag.kv.prefix_cache import without_prefix_cache
 from kvrag.defaults import DEFAULT_DRAFT_TOKENS
 
 DRAFT_SETS = ("sample", "nq10", "musique", "kv75")
 
 
+@without_prefix_cache
 def draft_speed(rag: Any, data: Path, sets: Sequence[str] = DRAFT_SETS, n: int = 8, new_tokens: int = 64) -> dict[str, Any]:
     """Per set: questions, answers the same with and without drafts, decode tok/s of each (tokens over
     decode time, summed over the set), and tokens per forward with drafts."""

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from kvrag.kv.prefix_cache import without_prefix_cache
 from kvrag.engine import KIND_CHUNK, KIND_SIMILARITY, KVRag, Prefill
 from kvrag.eval.data import Example
 from kvrag.eval.metrics import agreement, best_f1, contains, first_token_kl
@@ -177,6 +178,7 @@ def _record(
     }
 
 
+@without_prefix_cache
 def run(
     rag: KVRag,
     examples: Iterable[Example],

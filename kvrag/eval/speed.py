@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from kvrag.kv.prefix_cache import without_prefix_cache
 from kvrag.engine import KVRag
 from kvrag.eval.runner import Setting
 from kvrag.model.shapes import random_model, shape_config, shape_names  # noqa: F401 - the bench's names for them
@@ -163,6 +164,7 @@ def _variants(settings: Sequence[Setting], opts: SweepOptions) -> list[_Variant]
     return out
 
 
+@without_prefix_cache
 def speed_sweep(
     rag: KVRag,
     contexts: Sequence[int],

@@ -254,11 +254,12 @@ def recompute(
 
 @torch.no_grad()
 def full_prefill(lm: LoadedModel, prefix: LayerStack, segments: Segments, reserve: int = 0) -> PrefillOutput:
-    """Full Attention: the prefix from cache (it never changes), every other token prefilled
-    (into room reserved for them and `reserve` more slots for the answer)."""
+    """Full Attention: the prefix from cache (the system prefix, or a longer stretch an earlier turn
+    computed: kvrag.kv.prefix_cache), every token after it prefilled (into room reserved for them
+    and `reserve` more slots for the answer)."""
     device = lm.device
-    cache = prefix_cache(unstack_layers(*prefix), reserve=segments.total_len - len(segments.prefix) + reserve)
-    s = len(segments.prefix)
+    s = prefix[0].shape[2]
+    cache = prefix_cache(unstack_layers(*prefix), reserve=segments.total_len - s + reserve)
     ids = torch.tensor(segments.all_ids()[s:], device=device)[None]
     positions = torch.arange(s, segments.total_len, device=device)[None]
     # the model's own attention and masks (sliding windows included): Full Attention is the reference

@@ -7,9 +7,11 @@ on its neighbours or its rank. The split points come from the model's own chat t
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from kvrag.chat import Conversation
 from kvrag.types import Chunk
 
 # Bump when the way segments are built or tokenised changes: old cache entries become misses.
@@ -28,6 +30,8 @@ DEFAULT_QUESTION_TEMPLATE = "Question: {question}"
 
 _CTX = "\x00KVRAG_CONTEXT\x00"
 _Q = "\x00KVRAG_QUESTION\x00"
+# around each message's own text in a rendered conversation: the text between is the template's
+_OPEN, _CLOSE = "\x00KVRAG_OPEN\x00", "\x00KVRAG_CLOSE\x00"
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class PromptLayout:
     ) -> None:
         self.tokenizer = tokenizer
         self._chunk_ids_memo: dict[str, tuple[int, ...]] = {}
+        self._prefix_memo: dict[str, tuple[int, ...]] = {}
         self.system_prompt = system_prompt
         self.chunk_template = chunk_template
         self.untitled_chunk_template = untitled_chunk_template
@@ -127,6 +132,19 @@ class PromptLayout:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _encode_before(self, text: str, following: str) -> list[int]:
+        """Ids of `text` as they are when `following` comes right after it in one string: a run of
+        whitespace before a word splits differently than at the end of a string (byte-level BPE
+        gives "\n\n" at the end, "\n" "\n" before "Question"), and Full Attention must read the
+        chat template's rendering token for token. Depends on the first character of `following`
+        only, so a chunk's ids still never depend on its neighbours."""
+        if not text or not text[-1].isspace() or not following or following[0].isspace():
+            return self._encode(text)
+        ids = self._encode(text + following[0])
+        if ids and self.tokenizer.decode(ids[-1:]) == following[0]:
+            return ids[:-1]
+        return self._encode(text)
 
     def _prefix_ids(self, text: str) -> list[int]:
         ids = self._encode(text)
@@ -162,7 +180,7 @@ class PromptLayout:
         if ids is None:
             if len(self._chunk_ids_memo) >= 8192:
                 self._chunk_ids_memo.clear()
-            ids = self._chunk_ids_memo[text] = tuple(self._encode(text))
+            ids = self._chunk_ids_memo[text] = tuple(self._encode_before(text, self.question_template))
         return list(ids)
 
     def question_ids(self, question: str) -> list[int]:
@@ -173,6 +191,82 @@ class PromptLayout:
         return Segments(
             prefix=list(self.prefix_ids), chunks=[list(c) for c in chunk_ids], question=self.question_ids(question), links=int(links)
         )
+
+    # -- conversations ---------------------------------------------------------------------
+    def conversation_segments(
+        self, chunk_ids: Sequence[list[int]], conv: Conversation, links: int = 0, documents: bool = True
+    ) -> Segments:
+        """The segments of a conversation: the chat template over the engine's instruction and the
+        caller's system text (the prefix), the chunks at the head of the first user turn, then every
+        turn after them to the generation prompt (the "question" segment: read exactly, like a
+        question). One user message and no system text is `segments(...)`, token for token.
+
+        `documents=False` (plain chat, no chunks): the caller's messages alone through the template,
+        no engine instruction and no question template, as the model reads them anywhere else.
+        """
+        if documents and conv.is_single:
+            return self.segments(chunk_ids, conv.question, links)
+        prefix_text, pieces = self._render(conv, documents)
+        prefix = self._prefix_memo.get(prefix_text)
+        if prefix is None:
+            if len(self._prefix_memo) >= 64:
+                self._prefix_memo.clear()
+            prefix = self._prefix_memo[prefix_text] = tuple(self._prefix_ids(prefix_text))
+        tail = [t for i, piece in enumerate(pieces) for t in self._encode_before(piece, pieces[i + 1] if i + 1 < len(pieces) else "")]
+        prefix_ids = list(prefix)
+        if not prefix_ids:  # a template that renders nothing before the first message: its first token leads
+            prefix_ids, tail = tail[:1], tail[1:]
+        return Segments(prefix=prefix_ids, chunks=[list(c) for c in chunk_ids], question=tail, links=int(links))
+
+    def conversation_messages(self, chunks: Sequence[Chunk], conv: Conversation, documents: bool = True) -> list[dict[str, str]]:
+        """The conversation as chat-template messages with the chunk texts inline: what Full
+        Attention over it reads (`tokenizer.apply_chat_template(these, add_generation_prompt=True)`)."""
+        messages = self._messages(conv, documents, "".join(self.chunk_text(c) for c in chunks), mark=False)
+        return messages
+
+    def _messages(self, conv: Conversation, documents: bool, context: str, mark: bool) -> list[dict[str, str]]:
+        wrap = (lambda t: _OPEN + t + _CLOSE) if mark else (lambda t: t)
+        system = self.system_prompt + ("\n\n" + conv.system if conv.system else "") if documents else conv.system
+        messages = [{"role": "system", "content": system}] if system else []
+        first = True
+        for role, text in conv.turns:
+            if role == "user":
+                body = wrap(self.question_template.format(question=text) if documents else text)
+                messages.append({"role": "user", "content": (context if first else "") + body})
+                first = False
+            else:
+                messages.append({"role": "assistant", "content": wrap(text)})
+        return messages
+
+    def _render(self, conv: Conversation, documents: bool) -> tuple[str, list[str]]:
+        """(prefix text, the pieces after the chunks): template text and each message's own text
+        apart, so each piece is tokenised on its own (a turn's ids never depend on the next turn's)."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            messages = self._messages(conv, documents, _CTX, mark=True)
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception:  # templates that reject a system role: fold it into the first user turn
+                if not messages or messages[0]["role"] != "system":
+                    raise
+                system, rest = messages[0]["content"], messages[1:]
+                for m in rest:
+                    if m["role"] == "user":
+                        m["content"] = system + "\n\n" + m["content"]
+                        break
+                text = tok.apply_chat_template(rest, tokenize=False, add_generation_prompt=True)
+            if _CTX in text:
+                prefix, rest_text = text.split(_CTX, 1)
+                return prefix, [p for p in re.split(f"{re.escape(_OPEN)}|{re.escape(_CLOSE)}", rest_text) if p]
+        # No chat template: a plain instruction layout (as `_split_template`'s).
+        system = self.system_prompt + ("\n\n" + conv.system if conv.system else "") if documents else conv.system
+        pieces: list[str] = []
+        for role, text in conv.turns:
+            if role == "user":
+                pieces += [self.question_template.format(question=text) if documents else text, "\nAnswer:"]
+            else:
+                pieces += [" ", text, "\n\n"]
+        return (f"{system}\n\n" if system else ""), [p for p in pieces if p]
 
     def prompt_text(self, chunks: Sequence[Chunk], question: str) -> str:
         """The prompt as one string (what a plain LLM call would see), for display and debugging."""

@@ -119,6 +119,7 @@ class KVRepository(ChunkRegistry):
         self.chunks: dict[str, Chunk] = {}
         self.similarity_context: dict[str, str] = {}  # chunk id -> digest of the neighbours its similarity entry was computed after
         self._prefix: LayerStack | None = None
+        self._other_prefixes: dict[tuple[int, ...], LayerStack] = {}
         self._registry_lock = threading.Lock()
 
     # -- keys and validation ------------------------------------------------------------------
@@ -157,8 +158,18 @@ class KVRepository(ChunkRegistry):
         return self.lm.device.type == "cuda" if self.layerwise is None else bool(self.layerwise)
 
     # -- the prefix -----------------------------------------------------------------------------
-    def prefix_kv(self) -> LayerStack:
-        """The system prefix's KV, computed once per (model, system prompt) and kept in the store."""
+    def prefix_kv(self, ids: Sequence[int] | None = None) -> LayerStack:
+        """The system prefix's KV, computed once per (model, system prompt) and kept in the store;
+        another prefix (a caller's system message, plain chat's template) is computed once and kept
+        in memory (the last few)."""
+        if ids is not None and list(ids) != list(self.layout.prefix_ids):
+            key = tuple(ids)
+            kv = self._other_prefixes.get(key)
+            if kv is None:
+                if len(self._other_prefixes) >= 16:
+                    self._other_prefixes.pop(next(iter(self._other_prefixes)))
+                kv = self._other_prefixes[key] = self.computer.prefix_kv(key)
+            return kv
         if self._prefix is None:
             ids = self.layout.prefix_ids
             key = self.key(KIND_PREFIX, ids)

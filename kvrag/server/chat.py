@@ -1,11 +1,12 @@
 """`POST /v1/chat/completions`: OpenAI's chat completion, answered by the engine.
 
-With `kvrag.chunk_ids` / `kvrag.chunks` the last user message is answered from those chunks' cached
-KV. Without them (what any OpenAI client sends) the server retrieves: the top-k chunks of its own
-index (the one `kvrag ingest` and `POST /v1/chunks` fill) answer the last user message, and the
-response names them in `kvrag_sources` (and the `X-KVRag-Sources` header: their ids). With retrieval
-off (`kvrag serve --no-retrieval`, or `"kvrag": {"retrieve": false}`), or nothing indexed, the
-messages become one prompt for `KVRag.complete` (plain chat). The engine's stats ride along as
+The conversation (system messages, earlier turns, the last user message) is answered through the
+model's chat template (`KVRag.stream_chat`). With `kvrag.chunk_ids` / `kvrag.chunks` it is answered
+from those chunks' cached KV. Without them (what any OpenAI client sends) the server retrieves: the
+top-k chunks of its own index (the one `kvrag ingest` and `POST /v1/chunks` fill) for the recent user
+turns, and the response names this turn's chunks in `kvrag_sources` (and the `X-KVRag-Sources`
+header: their ids). With retrieval off (`kvrag serve --no-retrieval`, or `"kvrag": {"retrieve":
+false}`), or nothing indexed, it is plain chat: the messages alone through the chat template. The engine's stats ride along as
 `kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`.
 """
 
@@ -25,7 +26,8 @@ from kvrag.kv.registry import request_scoped_chunks
 from kvrag.pipeline import AnswerStream
 from kvrag.server.errors import APIError, as_api_error, error_body, log
 from kvrag.server.gate import Slot
-from kvrag.server.prompt import chat_prompt, question_of
+from kvrag.chat import Conversation
+from kvrag.server.prompt import conversation_of
 from kvrag.server.schemas import (
     ChatRequest,
     KVRagContext,
@@ -63,6 +65,9 @@ class Started:
 def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     """The engine call that prefills this request (run later, in a worker thread, holding a slot).
 
+    The whole conversation reaches the model in every mode: the client's system messages (after the
+    engine's instruction), the earlier turns and the question, through the model's chat template;
+    a turn whose start an earlier turn computed reads only the rest (the exact prefix cache).
     It first checks the request's text against the token limit: every message and every chunk's
     title and text count. The tokenizer runs in that thread too, next to the engine's own
     tokenisation, never on the event loop. Inline chunks (`kvrag.chunks`) belong to this request
@@ -72,38 +77,45 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     check_supported(req)
     opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts)
     rag, settings, ctx = state.rag, state.settings, req.kvrag
+    try:
+        conv = conversation_of(req.messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_messages", param="messages") from None
     if ctx is not None and ctx.has_context:
         if ctx.chunk_ids is not None and ctx.chunks is not None:
             raise as_api_error(ValueError("kvrag: pass either chunk_ids or chunks, not both"))
         check_chunk_count(len(ctx.chunk_ids or ctx.chunks or ()), settings)
-        question = question_of(req.messages)
         chunks = [c.to_chunk() for c in ctx.chunks] if ctx.chunks is not None else None
         texts = message_texts(req.messages) + [t for c in ctx.chunks or () for t in c.texts()]
 
         def start() -> Started:
             check_token_count(state.count_tokens(texts), settings)
             with request_scoped_chunks():
-                return Started(rag.stream(question, ctx.chunk_ids, chunks=chunks, options=opts))
+                return Started(rag.stream_chat(conv, ctx.chunk_ids, chunks=chunks, options=opts))
 
         return start
-    prompt = chat_prompt(req.messages)
-    retrieve = _retriever(state, req)
+    retrieve = _retriever(state, req, conv)
+    texts = message_texts(req.messages)
 
     def start_plain() -> Started:
-        check_token_count(state.count_tokens([prompt]), settings)  # every message, as the engine reads them
+        check_token_count(state.count_tokens(texts), settings)  # every message, as the engine reads them
         found = retrieve() if retrieve is not None else None
         with request_scoped_chunks():
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
-                return Started(rag.stream(question_of(req.messages), chunks=found, options=opts), [c.as_source() for c in found])
-            return Started(rag.complete(prompt, options=opts), None if found is None else [])
+                return Started(rag.stream_chat(conv, chunks=found, options=opts), [c.as_source() for c in found])
+            sources = None if found is None else []
+            if conv.is_single and rag.match_prompt(conv.question)[0]:  # a client's own RAG prompt: its known chunks reused
+                return Started(rag.complete(conv.question, options=opts), sources)
+            return Started(rag.stream_chat(conv, options=opts), sources)  # plain chat: the model's own chat template
 
     return start_plain
 
 
-def _retriever(state: ServerState, req: ChatRequest) -> Callable[[], list] | None:
-    """How a request without its own context finds its chunks: the top-k of the server's index for its
-    last user message; None for plain chat (retrieval off for the server or the request, or no user
-    message to retrieve for). A request asking for retrieval from a server without an index is a 400."""
+def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Callable[[], list] | None:
+    """How a request without its own context finds its chunks: the top-k of the server's index for the
+    conversation's recent user turns (a follow-up that says "it" retrieves with the question it follows:
+    `ServerSettings.retrieval_turns`); None for plain chat (retrieval off for the server or the request).
+    A request asking for retrieval from a server without an index is a 400."""
     ctx = req.kvrag or KVRagContext()
     wanted = state.settings.retrieval if ctx.retrieve is None else ctx.retrieve
     if not wanted:
@@ -113,12 +125,9 @@ def _retriever(state: ServerState, req: ChatRequest) -> Callable[[], list] | Non
             raise APIError(400, "this server has no retrieval index (started with --no-retrieval): send kvrag.chunk_ids or "
                                 "kvrag.chunks with the request", "no_retrieval_index", param="kvrag.retrieve")
         return None
-    try:
-        question = question_of(req.messages)
-    except ValueError:  # no user message: nothing to retrieve for
-        return None
+    query = conv.retrieval_query(state.settings.retrieval_turns)
     k = min(ctx.top_k or state.settings.top_k, state.settings.max_chunks)
-    return lambda: state.index.query(question, k=k)
+    return lambda: state.index.query(query, k=k)
 
 
 def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerStats, max_new: int,

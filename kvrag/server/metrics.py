@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
 
 from kvrag.decode.batch import BatchStats
+from kvrag.kv.prefix_cache import PrefixCacheStats
 from kvrag.server.gate import RequestGate
 from kvrag.types import AnswerStats
 
@@ -17,8 +18,10 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 class ServerMetrics:
     """What an operator watches: traffic by endpoint and status, TTFT, cache effectiveness, the queue."""
 
-    def __init__(self, gate: RequestGate, batches: Callable[[], BatchStats] = BatchStats) -> None:
-        """`batches`: the batched decoder's counts so far (kvrag.decode.batch.decode_batch_stats)."""
+    def __init__(self, gate: RequestGate, batches: Callable[[], BatchStats] = BatchStats,
+                 prefixes: Callable[[], PrefixCacheStats] = PrefixCacheStats) -> None:
+        """`batches`: the batched decoder's counts so far (kvrag.decode.batch.decode_batch_stats);
+        `prefixes`: the exact prefix cache's (kvrag.kv.prefix_cache.PrefixCache.snapshot)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvrag_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
@@ -34,6 +37,16 @@ class ServerMetrics:
         self.rejected = Counter("kvrag_rejected_busy", "Requests refused with 503 because the queue was full", registry=r)
         self.abandoned = Counter("kvrag_abandoned_requests", "Requests dropped because their client disconnected, by stage "
                                  "(queued: never started; prefilled: nothing decoded; decoding: stopped early)", ["stage"], registry=r)
+        self.prefix_hit_tokens = Counter("kvrag_prefix_hit_tokens", "Prompt tokens read from the exact prefix cache (an "
+                                         "earlier turn) instead of computed", registry=r)
+        self.prefix_hits = Counter("kvrag_prefix_hits", "Answers that continued from the exact prefix cache", registry=r)
+        for name, doc, read in (
+            ("kvrag_prefix_cache_entries", "Finished turns held in the exact prefix cache", lambda: prefixes().entries),
+            ("kvrag_prefix_cache_bytes", "Bytes of KV held in the exact prefix cache", lambda: prefixes().bytes),
+            ("kvrag_prefix_cache_max_bytes", "The exact prefix cache's bound in bytes (0: off)", lambda: prefixes().max_bytes),
+            ("kvrag_prefix_cache_evicted", "Entries the exact prefix cache dropped for room since start-up", lambda: prefixes().evicted),
+        ):
+            Gauge(name, doc, registry=r).set_function(read)
         self.precomputed = Counter("kvrag_ingested_chunks", "Chunks ingested, by outcome", ["outcome"], registry=r)
         queue = Gauge("kvrag_queue_depth", "Requests waiting for an engine slot", registry=r)
         queue.set_function(lambda: gate.waiting)
@@ -56,6 +69,9 @@ class ServerMetrics:
         self.recomputed.inc(stats.recomputed_tokens)
         self.generated.inc(stats.generated_tokens)
         self.drafts_served.inc(stats.draft_accepted)
+        self.prefix_hit_tokens.inc(stats.prefix_hit_tokens)
+        if stats.prefix_hit_tokens:
+            self.prefix_hits.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,8 +29,11 @@ def serve(settings: ServerSettings, rag=None, index=None) -> None:  # noqa: ANN0
         from kvrag.engine import KVRag
 
         print(f"loading model ({settings.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
+        from kvrag.kv.prefix_cache import PrefixCache
+
+        mb = settings.prefix_cache_mb
         rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device, link_adapter=settings.link_adapter,
-                                    decode_weights=settings.decode_weights)
+                                    decode_weights=settings.decode_weights, prefix_cache=PrefixCache(None if mb is None else mb * 2**20))
         rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
     if index is None and settings.retrieval:
         index = open_retrieval_index(settings)

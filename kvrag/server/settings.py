@@ -42,12 +42,21 @@ class ServerSettings:
     retrieval: bool = True
     top_k: int = 5
     collection: str = "kvrag_chunks"
+    # the exact prefix cache (kvrag.kv.prefix_cache): MB of finished turns' KV kept so a conversation's next
+    # turn reads only its new tokens; 0: off; None: $KVRAG_PREFIX_CACHE_MB, else 1024
+    prefix_cache_mb: int | None = None
+    # user turns a follow-up retrieves with (its own and the ones before it: kvrag.chat.Conversation.retrieval_query)
+    retrieval_turns: int = 2
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
         if self.max_queue < 0:
             raise ValueError("max_queue must be 0 or more")
+        if self.prefix_cache_mb is not None and self.prefix_cache_mb < 0:
+            raise ValueError("prefix_cache_mb must be 0 (off) or more")
+        if self.retrieval_turns < 1:
+            raise ValueError("retrieval_turns must be at least 1")
         if self.top_k < 1:
             raise ValueError("top_k must be at least 1")
         if not 0.0 <= self.recompute_ratio <= 1.0:
