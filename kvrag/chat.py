@@ -113,6 +113,11 @@ class Conversation:
         users = [t.strip() for t in self.user_texts() if t.strip()]
         return "\n".join(users[-max(1, turns):])
 
+    def messages(self) -> list[dict[str, str]]:
+        """OpenAI-style message dicts (what a server request carries)."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": role, "content": text} for role, text in self.turns]
+
     def with_answer(self, answer: str, question: str) -> "Conversation":
         """This conversation, answered, with a new question after it (how a client sends turn two)."""
         return Conversation(turns=(*self.turns, ("assistant", answer), ("user", question)), system=self.system)

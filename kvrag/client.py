@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from kvrag.methods.auto_ratio import AutoRatio
 from kvrag.errors import KVRagError
@@ -155,22 +155,23 @@ def read_whole_policy(options: AnswerOptions) -> dict[str, Any]:
 
 
 def request_body(
-    text: str,
+    text: str | Sequence[Mapping[str, Any]],
     chunk_ids: Sequence[str] | None = None,
     chunks: Sequence[Chunk] | None = None,
     options: AnswerOptions | None = None,
     stream: bool = False,
 ) -> dict[str, Any]:
-    """The chat request for one question (with chunks) or one ready-made prompt (without), carrying
-    `options` as the local engine would read them. A lone user message reaches the engine untouched,
-    so a prompt built client-side (e.g. LangChain's `messages_to_prompt`) is read exactly as locally."""
+    """The chat request for one question or a conversation (`text`: a string, or messages as
+    `{"role", "content"}` dicts), with chunks or without (a ready-made prompt), carrying `options` as
+    the local engine would read them. A lone user message reaches the engine untouched."""
     opts = options or AnswerOptions()
     if opts.evict is not None:
         raise ValueError("evict= (SnapKV) is not available through the server")
     method = opts.method if opts.method is None or isinstance(opts.method, str) else opts.method.name  # None: the server's
     dec = opts.decode
     body: dict[str, Any] = {
-        "model": "kvrag", "messages": [{"role": "user", "content": text}], "stream": stream,
+        "model": "kvrag", "stream": stream,
+        "messages": [{"role": "user", "content": text}] if isinstance(text, str) else [dict(m) for m in text],
         "max_tokens": dec.max_new_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
     }
     if dec.stop:
@@ -180,6 +181,8 @@ def request_body(
     ratio = "auto" if isinstance(opts.recompute_ratio, AutoRatio) else opts.recompute_ratio
     ctx: dict[str, Any] = {"method": method, "recompute_ratio": ratio, "kv_kind": opts.kv_kind, "stop_at": dec.stop_at,
                            "params": dict(opts.method_params), **read_whole_policy(opts)}
+    if not opts.prefix_cache:
+        ctx["prefix_cache"] = False
     if chunks is not None:
         ctx["chunks"] = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
     elif chunk_ids is not None:
@@ -219,7 +222,7 @@ class RemoteStream(AnswerStream):
 
 def stream_via_server(
     url: str,
-    text: str,
+    text: str | Sequence[Mapping[str, Any]],
     chunk_ids: Sequence[str] | None = None,
     *,
     chunks: Sequence[Chunk] | None = None,
@@ -227,5 +230,6 @@ def stream_via_server(
     timeout: float = 300.0,
 ) -> RemoteStream:
     """What `rag.stream(text, chunk_ids, chunks=..., options=...)` (with chunks) or
-    `rag.complete(text, options=...)` (without) return, answered by the server at `url`."""
+    `rag.complete(text, options=...)` (without) return, answered by the server at `url`; with
+    messages for `text`, what `rag.stream_chat` / `rag.complete_chat` return."""
     return RemoteStream(url, request_body(text, chunk_ids, chunks, options), timeout)

@@ -18,7 +18,7 @@ from kvrag.options import DEFAULT_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
 from kvrag.kv.precompute import KVComputer
 from kvrag.model.cache import LayerStack
-from kvrag.ingest.prompt_match import match_prompt
+from kvrag.ingest.prompt_match import match_conversation, match_prompt
 from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.kv.repository import KVRepository, PrecomputeReport, Resolved
 from kvrag.chat import Conversation
@@ -235,22 +235,26 @@ class KVRagCore:
         return match_prompt(prompt, list(self.repo.chunks.values()))
 
     def complete(self, prompt: str, *, options: AnswerOptions | None = None, **kwargs: Any) -> AnswerStream:
-        """Answer a ready-made prompt (what a framework's LLM call receives).
-
-        Known chunks found verbatim in it are reused (`stats.path == "prompt-match"`), the text after
-        the last one is the question; the text around them that belongs to no chunk is dropped.
-        With no known chunk, the whole prompt is read as the question (`stats.path == "plain"`).
-        """
+        """Answer a ready-made prompt (what a framework's LLM call receives): `complete_chat` over one
+        user message. Known chunks found verbatim in it are reused (`stats.path == "prompt-match"`),
+        the text after the last one is the question; with none, the prompt is read as the model reads
+        any chat message, through its chat template (`stats.path == "plain"`)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("prompt must be a non-empty string")
+        return self.complete_chat([("user", prompt)], options=options, **kwargs)
+
+    def complete_chat(self, messages: Any, *, options: AnswerOptions | None = None, **kwargs: Any) -> AnswerStream:
+        """Answer messages a framework built itself (LangChain prompt templates, LlamaIndex chat
+        engines): known chunks pasted into them are read from their cached KV and the message that
+        wrapped them is left out (`kvrag.ingest.prompt_match.match_conversation`, `stats.path ==
+        "prompt-match"`); with none, plain chat through the model's chat template ("plain")."""
         opts = self._options(options, kwargs)
-        chunks, question = self.match_prompt(prompt)
-        if not chunks:
-            pre = self.prefill(prompt, options=AnswerOptions(method="full", evict=opts.evict, decode=opts.decode), allow_empty=True)
-            pre.stats.path = "plain"
-        else:
-            pre = self.prefill(question or prompt, chunks=chunks, options=opts)
-            pre.stats.path = "prompt-match"
+        conv = Conversation.of(messages)
+        found, rest = match_conversation(conv, list(self.repo.chunks.values()))
+        if not found:
+            return self.stream_chat(conv, options=opts)
+        pre = self.prefill(rest, chunks=found, options=opts)
+        pre.stats.path = "prompt-match"
         return self.decode(pre, options=opts)
 
     def answer(self, question: str, chunk_ids: Sequence[str] | None = None, **kwargs: Any) -> Answer:

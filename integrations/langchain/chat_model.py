@@ -1,8 +1,9 @@
 """`ChatKVRag`: a LangChain chat model whose answers reuse kvrag's per-chunk KV caches.
 
-Passing `documents=[Document, ...]` to a call answers the last human message from those documents
-through the engine's chunk path (stored KV stitched, not re-read); without documents the messages
-become one prompt for `KVRag.complete`, which still reuses any known chunk found verbatim in it.
+The messages (system text, history, the last human message) reach the model through its chat
+template. Passing `documents=[Document, ...]` to a call answers them from those documents through the
+engine's chunk path (stored KV stitched, not re-read); without documents `KVRag.complete_chat` still
+reuses any known chunk a prompt template pasted into the messages.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import AliasChoices, Field, PrivateAttr
 
-from kvrag.chat import Turn, last_user_text, prompt_of
+from kvrag.chat import Conversation, Turn, last_user_text, prompt_of
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.model.loading import BUNDLED_NAME
 from kvrag.options import AnswerOptions
@@ -170,14 +171,15 @@ class ChatKVRag(BaseChatModel):
             **self.method_params,
         )
         opts = AnswerOptions.from_kwargs(opts, **kwargs, stop=self._stops(stop) or None)
+        conv = Conversation.of(turns_of(messages))
         if self.server:
             if documents is not None:
-                return stream_via_server(self.server, last_human_text(messages), chunks=documents_to_chunks(documents), options=opts)
-            return stream_via_server(self.server, messages_to_prompt(messages), options=opts)
+                return stream_via_server(self.server, conv.messages(), chunks=documents_to_chunks(documents), options=opts)
+            return stream_via_server(self.server, conv.messages(), options=opts)
         rag = self.rag
         if documents is not None:
-            return rag.stream(last_human_text(messages), chunks=documents_to_chunks(documents), options=opts)
-        return rag.complete(messages_to_prompt(messages), options=opts)
+            return rag.stream_chat(conv, chunks=documents_to_chunks(documents), options=opts)
+        return rag.complete_chat(conv, options=opts)
 
     def _pieces(self, stream: AnswerStream) -> Iterator[str]:
         """The stream's text pieces, the leading whitespace dropped to match `invoke`'s stripped answer."""

@@ -1,10 +1,12 @@
 """`KVRagLLM`: a LlamaIndex LLM that answers from cached chunk KV.
 
-Two paths, named in `last_stats.path`:
+It is a chat model (`chat`/`stream_chat` take the messages: chat engines' history and system text
+reach the model through its chat template). Two paths, named in `last_stats.path`:
 - "postprocessor": `KVCacheNodePostprocessor` handed over this query's nodes, so the LLM answers the
-  query from the nodes' cached KV and ignores the text the response synthesizer pasted together;
-- "prompt-match": no hand-over; chunks the engine knows are found verbatim in the prompt and
-  reused, the rest of the prompt is read normally ("plain" when none is found).
+  query (or the conversation) from the nodes' cached KV and ignores the text the response
+  synthesizer pasted together (the context message it wrapped them in is left out);
+- "prompt-match": no hand-over; chunks the engine knows are found verbatim in the prompt or messages
+  and reused, the rest is read normally ("plain" when none is found).
 """
 
 from __future__ import annotations
@@ -13,13 +15,23 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import CustomLLM
-from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.schema import BaseNode, MetadataMode
 
+from kvrag.chat import Conversation
 from kvrag.engine import AnswerStream, KVRag
+from kvrag.ingest.prompt_match import match_conversation
 from kvrag.options import AnswerOptions
 from kvrag.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
@@ -84,7 +96,7 @@ class KVRagLLM(CustomLLM):
         return LLMMetadata(
             context_window=self._rag.lm.max_context if self._rag is not None else self.context_window,
             num_output=self.max_new_tokens,
-            is_chat_model=False,
+            is_chat_model=True,
             model_name=self.model_name or (self._rag.lm.source if self._rag is not None else f"kvrag server {self.server}"),
         )
 
@@ -99,9 +111,58 @@ class KVRagLLM(CustomLLM):
         )
         return AnswerOptions.from_kwargs(base, **overrides)
 
+    def _call_options(self, kwargs: dict[str, Any]) -> AnswerOptions:
+        known = ("method", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "stop", "prefix_cache")
+        return self.options(**{k: kwargs.pop(k) for k in known if k in kwargs})
+
+    def _start_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> AnswerStream:
+        """A chat engine's messages: from a hand-over's nodes when the postprocessor ran for this call
+        (its nodes pasted into the messages, or its query among them), else `complete_chat`."""
+        opts = self._call_options(kwargs)
+        conv = Conversation.of(messages)
+        pending = _PENDING.get()
+        if pending is not None:
+            found, rest = match_conversation(conv, pending.chunks)
+            if found or any(pending.query.strip() in text for _, text in conv.turns):
+                _PENDING.set(None)  # one hand-over serves one call
+                conv = rest if found else conv
+                if self.server:
+                    stream = stream_via_server(self.server, conv.messages(), chunks=pending.chunks, options=opts)
+                else:
+                    stream = self._rag.stream_chat(conv, chunks=pending.chunks, options=opts)
+                stream.stats.path = "postprocessor"
+                self._last_stats = stream.stats
+                return stream
+        stream = stream_via_server(self.server, conv.messages(), options=opts) if self.server else self._rag.complete_chat(conv, options=opts)
+        self._last_stats = stream.stats
+        return stream
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        answer = self._start_chat(messages, kwargs).answer()
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=answer.text),
+                            additional_kwargs={"kvrag_stats": answer.stats.as_dict()})
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        stream = self._start_chat(messages, kwargs)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for piece in stream:
+                if not text:
+                    piece = piece.lstrip()  # as `chat`, whose answer is stripped
+                if not piece:
+                    continue
+                text += piece
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece)
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text.rstrip()), delta="",
+                               additional_kwargs={"kvrag_stats": stream.stats.as_dict()})
+
+        return gen()
+
     def _start(self, prompt: str, kwargs: dict[str, Any]) -> AnswerStream:
-        known = ("method", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "stop")
-        opts = self.options(**{k: kwargs.pop(k) for k in known if k in kwargs})
+        opts = self._call_options(kwargs)
         pending = _PENDING.get()
         if pending is not None and pending.query.strip() not in prompt:
             pending = None  # a hand-over serves only the call made for its query (the synthesizer's prompt holds it)

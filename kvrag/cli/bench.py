@@ -15,14 +15,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="quality and speed of methods x recompute ratios on a JSONL dataset (`bench speed`: TTFT vs context length)",
     )
-    bench.add_argument("mode", nargs="?", choices=("quality", "speed", "store"), default="quality",
+    bench.add_argument("mode", nargs="?", choices=("quality", "speed", "store", "chat"), default="quality",
                        help="quality (default): a dataset, every setting; speed: TTFT vs context length only; "
-                       "store: each store tier's read bandwidth beside plain file reads and host-to-device copies")
+                       "store: each store tier's read bandwidth beside plain file reads and host-to-device copies; "
+                       "chat: two-turn conversations, turn two with and without the exact prefix cache against Full Attention")
     bench.add_argument("--redis", default=None, help="bench store: also measure this Redis URL")
     bench.add_argument("--data", default=None, help="JSONL shaped like shared/data/*.jsonl (default with --quick: the bundled sample)")
     bench.add_argument("--n", type=int, default=100, help="examples (seeded sample)")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--methods", default="cacheblend,epic,a3,fusionrag,samkv")
+    bench.add_argument("--methods", default=None, help="methods, comma-separated (default: cacheblend,epic,a3,fusionrag,samkv; "
+                       "chat: full and the default method)")
+    bench.add_argument("--data-dir", default="../shared/data", help="chat: a folder with nq10_dev.jsonl, whose passages "
+                       "surround each conversation's document (without it: the set's own documents)")
+    bench.add_argument("--no-retrieval", dest="retrieval", action="store_false", help="chat: skip the retrieval section")
     bench.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios, or auto (the engine picks per question; the records hold its choice); speed mode: the first one given, default 0.15")
     bench.add_argument("--similarity", action="store_true", help="also run FusionRAG's similarity-guided entries")
     bench.add_argument("--max-new-tokens", type=int, default=24)

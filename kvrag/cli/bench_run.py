@@ -44,11 +44,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.mode == "store":  # each tier's read bandwidth beside plain file reads and host-to-device copies
         print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
         return 0
+    if args.mode == "chat":
+        return _bench_chat(args)
     _bench_defaults(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = args.store or f"disk://{(out / 'kv').resolve()}"
-    methods = split_methods(args.methods)
+    methods = split_methods(args.methods or "cacheblend,epic,a3,fusionrag,samkv")
     ratios: list[float | str] = [r if r == "auto" else float(r) for r in args.ratios.split(",") if r]
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "max_new_tokens": args.max_new_tokens}
     if args.merge:
@@ -152,6 +154,23 @@ def _bench_speed(args: argparse.Namespace, methods: list[str], ratio: float, sto
     drop_default_store(args, Path(args.out))
     print(f"results in {args.out}/ (speed.md, speed.json, ttft_vs_context.png)", file=sys.stderr)
     return 0
+
+
+def _bench_chat(args: argparse.Namespace) -> int:
+    """`kvrag bench chat`: the bundled conversations (kvrag.eval.chat_bench), full and the default method unless named."""
+    from kvrag.eval.chat_bench import run_chat_bench
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = args.store or f"disk://{(out / 'kv').resolve()}"
+    rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype)
+    methods = split_methods(args.methods) if args.methods else ["full", rag.default_method]
+    data_dir = Path(args.data_dir) if args.data_dir and Path(args.data_dir).is_dir() else None
+    result = run_chat_bench(rag, out, methods, data_dir=data_dir, n=3 if args.quick else args.n, max_new_tokens=args.max_new_tokens,
+                            retrieval=args.retrieval)
+    print((out / "chat.md").read_text(encoding="utf-8"))
+    drop_default_store(args, out)
+    return 0 if result["summary"] else 1
 
 
 def cmd_bench_deviation(args: argparse.Namespace) -> int:

@@ -19,4 +19,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvrag.demo.launch import launch
 
     print(f"kvrag demo on http://{args.address}:{args.port} (Ctrl-C stops it)", file=sys.stderr)
-    return launch(port=args.port, address=args.address, allow_store_hosts=args.allow_store_host or None)
+    return launch(port=args.port, address=args.address, allow_store_hosts=args.allow_store_host or ())

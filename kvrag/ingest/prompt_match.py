@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from kvrag.chat import Conversation
 from kvrag.types import Chunk
 
 MIN_MATCH_CHARS = 12
@@ -42,3 +43,37 @@ def match_prompt(prompt: str, chunks: Iterable[Chunk], min_chars: int = MIN_MATC
             picked.append((start, end, chunk))
     rest = prompt[picked[-1][1] :].strip() if picked else prompt
     return [c for _, _, c in picked], rest
+
+
+def match_conversation(conv: Conversation, chunks: Iterable[Chunk], min_chars: int = MIN_MATCH_CHARS) -> tuple[list[Chunk], Conversation]:
+    """Known chunks that a framework pasted into a conversation's messages (a context system message,
+    a user message holding "Context: ... Question: ..."), and the conversation without them.
+
+    The system text that carried chunks was the framework's own wrapper around the context: the
+    engine's layout (its instruction, the chunks' KV at the head of the first user turn) replaces it,
+    so it is left out. A user message keeps its text after the last chunk (before the first, if
+    nothing follows). Chunks come in message order, each once; with none found the conversation is
+    returned as it is."""
+    known = list(chunks)
+    found: list[Chunk] = []
+
+    def take(text: str) -> tuple[list[Chunk], str]:
+        got, rest = match_prompt(text, known, min_chars)
+        for c in got:
+            if all(c.id != f.id for f in found):
+                found.append(c)
+        if got and not rest:
+            rest = text[: find_whole(text, got[0].text)].strip()
+        return got, rest
+
+    system_got, _ = take(conv.system) if conv.system else ([], "")
+    turns = []
+    for role, text in conv.turns:
+        if role == "user":
+            got, rest = take(text)
+            turns.append((role, rest if got and rest else text))
+        else:
+            turns.append((role, text))
+    if not found:
+        return [], conv
+    return found, Conversation(turns=tuple(turns), system="" if system_got else conv.system)

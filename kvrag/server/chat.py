@@ -103,10 +103,8 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
         with request_scoped_chunks():
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
                 return Started(rag.stream_chat(conv, chunks=found, options=opts), [c.as_source() for c in found])
-            sources = None if found is None else []
-            if conv.is_single and rag.match_prompt(conv.question)[0]:  # a client's own RAG prompt: its known chunks reused
-                return Started(rag.complete(conv.question, options=opts), sources)
-            return Started(rag.stream_chat(conv, options=opts), sources)  # plain chat: the model's own chat template
+            # plain chat through the model's chat template; known chunks a client pasted into its messages are reused
+            return Started(rag.complete_chat(conv, options=opts), None if found is None else [])
 
     return start_plain
 

@@ -79,6 +79,8 @@ class KVRagContext(BaseModel):
     retrieve: bool | None = Field(default=None, description="without chunk_ids/chunks: retrieve from the server's index "
                                                            "(default: the server's setting), or false for plain chat")
     top_k: int | None = Field(default=None, ge=1, description="chunks retrieved (default: the server's --top-k)")
+    prefix_cache: bool | None = Field(default=None, description="false: neither read this request's start from the exact "
+                                                                "prefix cache nor keep its KV there (default: on)")
 
     @property
     def has_context(self) -> bool:
@@ -223,7 +225,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
     )
     if ctx.kv_kind is not None:
         kwargs["kv_kind"] = ctx.kv_kind
-    for name in ("min_recompute", "short_context", "records_whole"):
+    for name in ("min_recompute", "short_context", "records_whole", "prefix_cache"):
         if getattr(ctx, name) is not None:
             kwargs[name] = getattr(ctx, name)
     if ctx.stop_at is not None:
