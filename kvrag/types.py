@@ -103,6 +103,22 @@ class AnswerStats:
     def get(self, name: str, default: Any = None) -> Any:
         return self[name] if name in self.keys() else default
 
+    def reading(self) -> str:
+        """How the answer read its context, in a line a person reads first ("fusionrag recomputed 15%
+        (84 of 560 chunk tokens)", "read whole: 560 chunk tokens <= short_context=768", ...)."""
+        if self.path == "plain":
+            how = "plain chat (no chunks)"
+        elif self.full_reason:
+            how = "read whole: " + self.full_reason.split(": answered with Full Attention")[0]
+        elif self.method == "full":
+            how = f"full: read whole ({self.context_tokens} chunk tokens)"
+        else:
+            how = (f"{self.method} recomputed {self.recomputed_tokens / max(1, self.context_tokens):.0%} "
+                   f"({self.recomputed_tokens} of {self.context_tokens} chunk tokens)")
+        if self.prefix_hit_tokens:
+            how += f"; {self.prefix_hit_tokens} of {self.prompt_tokens} prompt tokens from the previous turn"
+        return f"{how} | chunk KV hits {self.cache_hits}, misses {self.cache_misses} | TTFT {self.ttft_s * 1000:.0f} ms"
+
     def summary(self) -> str:
         return (
             f"method={self.method} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} "

@@ -181,3 +181,13 @@ def test_the_prefix_cache_is_bounded_least_recently_used_first():
     assert cache.lookup("approx", c[:8] + [5]) is None and cache.lookup("approx", c + [5]).tokens == 10
     cache.store("exact", a + [1, 2], _kv(12))  # extends a: replaces it
     assert cache.snapshot().by_signature.get("exact") == 1
+
+
+def test_an_answer_says_how_it_read_its_context():
+    from kvrag.types import AnswerStats
+
+    reused = AnswerStats(method="fusionrag", recomputed_tokens=84, context_tokens=560, ttft_s=0.2, cache_hits=5)
+    assert reused.reading().startswith("fusionrag recomputed 15% (84 of 560 chunk tokens) | chunk KV hits 5, misses 0")
+    whole = AnswerStats(method="fusionrag", full_reason="560 chunk tokens <= short_context=768: answered with Full Attention",
+                        context_tokens=560, prefix_hit_tokens=600, prompt_tokens=640)
+    assert whole.reading().startswith("read whole: 560 chunk tokens <= short_context=768; 600 of 640 prompt tokens from the previous turn")

@@ -102,6 +102,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if args.sources:
         print(source_lines(chunks))
+    print(stream.stats.reading(), file=sys.stderr)
     print(stream.stats.summary(), file=sys.stderr)
     return 0
 
