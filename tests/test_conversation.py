@@ -191,3 +191,25 @@ def test_an_answer_says_how_it_read_its_context():
     whole = AnswerStats(method="fusionrag", full_reason="560 chunk tokens <= short_context=768: answered with Full Attention",
                         context_tokens=560, prefix_hit_tokens=600, prompt_tokens=640)
     assert whole.reading().startswith("read whole: 560 chunk tokens <= short_context=768; 600 of 640 prompt tokens from the previous turn")
+
+
+@pytest.mark.smollm
+def test_precomputed_chunks_are_found_when_answered(smollm):
+    """precompute and answer tokenise a chunk the same way (the chat template's boundary, where byte-level BPE
+    splits "\n\n" before a word): every precomputed chunk is a hit, in a fresh process too."""
+    rag = KVRag(smollm, store="memory://", check=False)
+    rag.precompute(CHUNKS, progress=False)
+    rag.layout._chunk_ids_memo.clear()  # as in a fresh process: nothing memoised by the precompute
+    stats = rag.prefill("What did the cat do?", IDS, method="reuse").stats
+    assert stats.cache_hits == len(CHUNKS) and stats.cache_misses == 0
+
+
+@pytest.mark.smollm
+def test_full_over_a_conversation_is_the_bundled_models_chat_template(smollm):
+    rag = KVRag(smollm, store="memory://", check=False)
+    conv = Conversation.of(turn2("It purred all afternoon."))
+    segments = rag.layout.conversation_segments([rag.layout.chunk_ids(c) for c in CHUNKS], conv)
+    assert segments.all_ids() == reference_ids(rag.lm.tokenizer, rag.layout.conversation_messages(CHUNKS, conv))
+    one = Conversation.ask("What did the cat do?")
+    segments = rag.layout.conversation_segments([rag.layout.chunk_ids(c) for c in CHUNKS], one)
+    assert segments.all_ids() == reference_ids(rag.lm.tokenizer, rag.layout.conversation_messages(CHUNKS, one))

@@ -173,14 +173,17 @@ class PromptLayout:
                     lines.add(line)
         return lines
 
-    def chunk_ids(self, chunk: Chunk) -> list[int]:
-        """Token ids of a chunk; memoised, since every answer re-reads the same chunks."""
+    def chunk_ids(self, chunk: Chunk, memo: bool = True) -> list[int]:
+        """Token ids of a chunk; memoised, since every answer re-reads the same chunks (`memo=False`:
+        ids already memoised are reused, new ones are not kept: one-off request-scoped chunks)."""
         text = self.chunk_text(chunk)
         ids = self._chunk_ids_memo.get(text)
         if ids is None:
-            if len(self._chunk_ids_memo) >= 8192:
-                self._chunk_ids_memo.clear()
-            ids = self._chunk_ids_memo[text] = tuple(self._encode_before(text, self.question_template))
+            ids = tuple(self._encode_before(text, self.question_template))
+            if memo:
+                if len(self._chunk_ids_memo) >= 8192:
+                    self._chunk_ids_memo.clear()
+                self._chunk_ids_memo[text] = ids
         return list(ids)
 
     def question_ids(self, question: str) -> list[int]:

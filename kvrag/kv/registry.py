@@ -341,13 +341,10 @@ class ChunkRegistry:
     def _ids_once(self, chunk: Chunk) -> list[int]:
         """A chunk's token ids without memoising them (ids the layout already memoised are reused), so
         a stream of one-off request-scoped chunks keeps nothing here."""
-        memo = getattr(self.layout, "_chunk_ids_memo", None)
-        encode = getattr(self.layout, "_encode", None)
-        if memo is None or encode is None:  # another layout: its own chunk_ids
+        try:
+            return self.layout.chunk_ids(chunk, memo=False)
+        except TypeError:  # another layout: its own chunk_ids
             return self.layout.chunk_ids(chunk)
-        text = self.layout.chunk_text(chunk)
-        known = memo.get(text)
-        return list(known) if known is not None else list(encode(text))
 
     def _entries_by_id(self, unknown: list[str]) -> dict[str, KVEntry]:
         """Entries of ids this process never saw, through the store's node-id index."""
