@@ -1,4 +1,5 @@
-"""The Streamlit demo: upload checks and highlighting as plain functions, then the real app in AppTest."""
+"""The Streamlit demo: upload checks, highlighting and the answer's describing lines as plain functions,
+then the real app (a chat) in AppTest."""
 
 from __future__ import annotations
 
@@ -140,6 +141,31 @@ def test_launch_command():
         streamlit_command(port=0)
 
 
+def test_follow_ups_keep_the_previous_order_of_the_chunks_retrieved_again():
+    from kvrag.types import Chunk
+
+    a, b, c, d = (Chunk(id=i, text=i) for i in "abcd")
+    assert [x.id for x in demo_app.keep_order([b, a], ["a", "b"])] == ["a", "b"]  # the same chunks: the earlier order
+    assert [x.id for x in demo_app.keep_order([d, b, c, a], ["a", "b", "c"])] == ["a", "b", "c", "d"]  # new ones after
+    assert [x.id for x in demo_app.keep_order([d, c, b], ["a", "b", "c"])] == ["b", "c", "d"]
+    assert [x.id for x in demo_app.keep_order([b, a], [])] == ["b", "a"]
+
+
+def test_the_lines_say_what_happened():
+    whole = {"full_reason": "560 chunk tokens <= short_context=768: answered with Full Attention", "prefix_hit_tokens": 0}
+    assert demo_app.method_line("fusionrag", 0.15, whole) == "read whole (short context)"
+    records = {"full_reason": "the chunks are records of one kind (records_whole): answered with Full Attention"}
+    assert demo_app.method_line("fusionrag", 0.15, records) == "read whole (records of one kind)"
+    assert demo_app.method_line("fusionrag", 0.15, {}) == "fusionrag (recompute 15%)"
+    assert demo_app.method_line("reuse", 0.15, {}) == "reuse"
+    assert demo_app.prefix_line({"prefix_hit_tokens": 612, "prompt_tokens": 640, "turns": 3}) == (
+        "reused 612 of 640 prompt tokens from the previous turn")
+    assert demo_app.prefix_line({"prefix_hit_tokens": 0, "prompt_tokens": 640, "turns": 3}) == "no prefix-cache hit"
+    view = demo_app.ChunkView("1. x", "<div>x</div>", 10, 0)
+    assert demo_app.chunks_caption("fusionrag", whole, [view]).startswith("Read whole: fusionrag's reuse did not apply (560")
+    assert "recomputed none" in demo_app.chunks_caption("reuse", {"prefix_hit_tokens": 0}, [view])
+
+
 # -- the app itself -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def app(kvrag_home, tmp_path_factory):
@@ -156,10 +182,39 @@ def _errors(at) -> list[str]:
     return [e.value for e in at.error]
 
 
+QUESTION = "In what year did the Brannoch Line open?"
+FOLLOW_UP = "Who was its chief engineer?"  # "its": only the conversation says which line
+
+
+def _texts(at) -> list[str]:
+    return [t.value for t in at.text]
+
+
+def _captions(at) -> list[str]:
+    return [c.value for c in at.caption]
+
+
+def _turns(at) -> list[dict]:
+    return at.session_state["conversation"] if "conversation" in at.session_state else []
+
+
+def _ask(at, question: str) -> None:
+    at.chat_input(key="question").set_value(question).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not _errors(at)
+
+
+def _new_conversation(at) -> None:
+    at.button(key="new_conversation").click().run()
+    assert not at.exception and _turns(at) == []
+
+
 @pytest.mark.smollm
 def test_app_starts_with_the_sample_corpus(app, kvrag_home):
     assert not _errors(app)
-    assert app.text_input(key="question").value  # prefilled with a sample question
+    sample = demo_app.sample_questions()[0]["question"]
+    assert sample in app.chat_input(key="question").proto.placeholder  # the sample question is offered
+    assert app.button(key="suggestion").label.endswith(sample)
     assert (kvrag_home / "demo" / "chroma").is_dir() and (kvrag_home / "demo" / "kv").is_dir()
     assert any("disk://" in c.value and "demo" in c.value for c in app.sidebar.code)
 
@@ -171,34 +226,92 @@ def test_the_method_defaults_to_the_engines_default(app):
     assert app.selectbox(key="method").value == DEFAULT_METHOD  # the base weights' default: no tuned adapter by default
 
 
-@pytest.mark.smollm
-def test_ask_streams_both_answers_with_ttft_and_speedup(app):
-    app.selectbox(key="method").set_value("cacheblend")  # a method that recomputes: its tokens are highlighted
-    app.text_input(key="question").set_value("In what year did the Brannoch Line open?")
-    app.button(key="ask").click().run()
-    assert not app.exception, [e.value for e in app.exception]
-    assert not _errors(app)
-    metrics = {m.label: m.value for m in app.metric}
-    ttfts = [m.value for m in app.metric if m.label == "Time to first token"]
-    assert len(ttfts) == 2 and all(v.endswith(" ms") and float(v[:-3]) > 0 for v in ttfts)
-    speedup = next(v for k, v in metrics.items() if k.startswith("Speed-up in TTFT (Full"))
-    assert speedup.endswith("×") and float(speedup[:-1]) > 0
-    assert int(metrics["Cache hits"]) > 0
+def _check_reply_metrics(at, answers: int) -> None:
+    """Each answer's TTFT, Full Attention's, the speed-up, and beside it the agreement and the KL."""
+    values = lambda label: [m.value for m in at.metric if m.label == label]  # noqa: E731
+    for label in ("Time to first token", "Full Attention TTFT"):
+        assert len(values(label)) == answers and all(v.endswith(" ms") and float(v[:-3]) > 0 for v in values(label))
+    speedups = values("Speed-up in TTFT")
+    assert len(speedups) == answers and all(v.endswith("×") and float(v[:-1]) > 0 for v in speedups)
+    assert len(values("Same answer as Full")) == answers and all(v in ("yes", "no") for v in values("Same answer as Full"))
+    kls = values("First-token KL")
+    assert len(kls) == answers and all(float(v) >= 0 for v in kls)
 
-    last = app.session_state["last_result"]
-    texts = [s["text"] for s in last["sides"]]
-    assert [s["method"] for s in last["sides"]] == ["cacheblend", "full"]
-    assert all(t.strip() for t in texts)
-    shown = [t.value for t in app.text]  # plain text, not Markdown (issue #18)
-    assert all(any(t.strip() in v for v in shown) for t in texts)
-    # the retrieved chunks, with the recomputed tokens highlighted (15% of them, in total)
-    views = last["chunks"]
+
+@pytest.mark.smollm
+def test_a_two_turn_conversation_reuses_the_first_turn(app):
+    """Turn one: the method's answer streamed, Full Attention beside it, the recomputed tokens
+    highlighted. Turn two (a follow-up that needs the first question) reads turn one's KV from the
+    prefix cache, and says so."""
+    _new_conversation(app)
+    app.selectbox(key="method").set_value("cacheblend")  # a method that recomputes: its tokens are highlighted
+    app.slider(key="top_k").set_value(3).run()  # the line's own chunks, whichever follow-up retrieves them
+    _ask(app, QUESTION)
+    turns = _turns(app)
+    assert [t["role"] for t in turns] == ["user", "assistant"] and turns[0]["content"] == QUESTION
+    first = turns[1]["reply"]
+    assert first["method"] == "cacheblend" and first["stats"]["prefix_hit_tokens"] == 0 and first["stats"]["turns"] == 1
+    assert not first["stats"]["full_reason"]
+    assert first["text"].strip() and first["full_text"].strip()
+    assert first["text"] in _texts(app) and first["full_text"] in _texts(app)  # plain text, not Markdown (issue #18)
+    _check_reply_metrics(app, 1)
+    assert [m.proto.help for m in app.metric if m.label == "Speed-up in TTFT"] == ["Full Attention's TTFT ÷ this answer's (cacheblend)"]
+    captions = _captions(app)
+    assert "Method: cacheblend (recompute 15%)" in captions
+    assert any(c.startswith("Prefix cache: no prefix-cache hit.") for c in captions)
+    views = first["chunks"]  # 15% of the chunk tokens recomputed, and highlighted
     assert views and sum(v["recomputed"] for v in views) == round(0.15 * sum(v["tokens"] for v in views))
     assert any("<mark>" in m.value for m in app.markdown)
+    assert all("Brannoch" in v["label"] for v in views)
+    # one count of store lookups per answer beside it; the sidebar's are cumulative, and say so
+    assert first["stats"]["cache_hits"] + first["stats"]["cache_misses"] == len(views)  # each chunk looked up once
+    assert any(f"chunk KV store lookups for this answer: {first['stats']['cache_hits']} hits" in c for c in captions)
+    store = next(c.value for c in app.sidebar.caption if c.value.startswith("Cumulative store lookups since the server started"))
+    assert int(store.split(": ")[1].split(" hits")[0]) >= first["stats"]["cache_hits"]
 
-    # a rerun (another widget changed) still shows the last answer, without recomputing it
+    _ask(app, FOLLOW_UP)
+    turns = _turns(app)
+    assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant"]
+    assert [t["content"] for t in turns[:3]] == [QUESTION, first["text"], FOLLOW_UP]  # the conversation is kept
+    second = turns[3]["reply"]
+    stats = second["stats"]
+    assert stats["turns"] == 3 and second["chunk_ids"] == first["chunk_ids"]  # retrieved with the first question too
+    assert stats["prefix_hit_tokens"] > first["stats"]["prompt_tokens"] - 1 and stats["recomputed_tokens"] == 0
+    assert f"reused {stats['prefix_hit_tokens']} of {stats['prompt_tokens']} prompt tokens from the previous turn" in " ".join(_captions(app))
+    assert any("came from the previous turn" in c for c in _captions(app))
+    assert all("KV from the prefix cache" in v["label"] and v["recomputed"] == 0 for v in second["chunks"])
+    assert second["full_stats"]["prefix_hit_tokens"] == 0  # the reference re-reads everything
+    _check_reply_metrics(app, 2)
+    assert all(t["content"] in _texts(app) for t in turns)  # both questions and answers, as plain text
+
+    # a rerun (another widget changed) redraws the conversation without recomputing it
     app.slider(key="max_new").set_value(16).run()
-    assert [m.label for m in app.metric].count("Time to first token") == 2
+    assert _turns(app) == turns
+    _check_reply_metrics(app, 2)
+
+    _new_conversation(app)
+    assert not [m for m in app.metric if m.label == "Time to first token"] and QUESTION not in _texts(app)
+    app.slider(key="max_new").set_value(demo_app.DEFAULT_MAX_NEW_TOKENS)
+    app.slider(key="top_k").set_value(demo_app.DEFAULT_K).run()
+
+
+@pytest.mark.smollm
+def test_an_answer_read_whole_says_so(app, monkeypatch):
+    """A short context is read whole with Full Attention by policy: the page says "read whole", not
+    "cacheblend (recompute 15%)", and highlights no chunk token."""
+    monkeypatch.setenv("KVRAG_SHORT_CONTEXT", "100000")  # every context is short (the tests turn the policy off)
+    _new_conversation(app)
+    app.selectbox(key="method").set_value("cacheblend")
+    _ask(app, QUESTION)
+    reply = _turns(app)[1]["reply"]
+    assert "short_context=100000" in reply["stats"]["full_reason"]
+    captions = _captions(app)
+    assert "Method: read whole (short context)" in captions and "Method: cacheblend (recompute 15%)" not in captions
+    assert any(c.startswith("Read whole: cacheblend's reuse did not apply") for c in captions)
+    assert [m.proto.help for m in app.metric if m.label == "Speed-up in TTFT"] == ["Full Attention's TTFT ÷ this answer's (read whole)"]
+    assert all(v["recomputed"] == 0 and "read whole" in v["label"] for v in reply["chunks"])
+    assert not any("<mark>" in m.value for m in app.markdown)
+    _new_conversation(app)
 
 
 @pytest.mark.smollm

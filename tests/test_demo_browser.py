@@ -1,8 +1,10 @@
-"""The demo in a real headless Chromium: load, click Ask, see both timings and highlighted tokens.
+"""The demo in a real headless Chromium, started as users start it: `kvrag demo` as a process (only a
+free `--port` added), the page loaded, a question and a follow-up asked in the chat, two answers seen
+with their reports.
 
-Skipped unless a Chromium binary and the `playwright` package are installed (playwright drives
-the system Chromium; it downloads nothing). Shares $KVRAG_HOME with tests/test_demo.py, so after
-it the app starts on an already ingested corpus.
+Skipped unless a Chromium binary, the `playwright` package and the `kvrag` command are installed
+(playwright drives the system Chromium; it downloads nothing). Shares $KVRAG_HOME with
+tests/test_demo.py, so after it the app starts on an already ingested corpus.
 """
 
 from __future__ import annotations
@@ -33,17 +35,26 @@ def screenshot_script():
     module = _load_script()
     if module.find_chromium() is None:
         pytest.skip("no Chromium on this machine (apt-get install chromium)")
+    if module.find_kvrag() is None:
+        pytest.skip("no `kvrag` command (pip install -e '.[demo]')")
     return module
 
 
-def test_demo_in_a_real_browser(screenshot_script, kvrag_home, tmp_path):
+def test_kvrag_demo_holds_a_conversation_in_a_real_browser(screenshot_script, kvrag_home, tmp_path):
     from PIL import Image
 
     out = tmp_path / "demo.png"
     env = {"KVRAG_HOME": str(kvrag_home), "KVRAG_DEMO_DIR": str(kvrag_home / "demo")}
     shot = screenshot_script.capture(out, timeout=240, env=env)  # per step; generous for loaded CI machines
-    assert len(shot.ttfts) == 2 and all(t.endswith(" ms") for t in shot.ttfts)
-    assert shot.speedup.endswith("×") and float(shot.speedup[:-1]) > 0
-    assert shot.method and (shot.marks > 0 or not shot.recomputes)  # kvlink (the tuned default) recomputes no chunk token
+    assert Path(shot.command[0]).name == "kvrag" and shot.command[1:] == ["demo", "--port", shot.command[-1]]  # no other flag
+
+    assert len(shot.answers) == 2 and all(a.strip() for a in shot.answers)
+    assert len(shot.ttfts) == 2 and all(t.endswith(" ms") for t in shot.ttfts + shot.full_ttfts)
+    assert len(shot.speedups) == 2 and all(s.endswith("×") and float(s[:-1]) > 0 for s in shot.speedups)
+    assert shot.same and all(v in ("yes", "no") for v in shot.same)  # the quality beside every speed-up
+    assert len(shot.methods) == 2 and all(m.startswith("Method: ") for m in shot.methods)
+    assert len(shot.prefix) == 2 and shot.prefix[0].startswith("Prefix cache: no prefix-cache hit")
+    assert shot.prefix[1].startswith(("Prefix cache: reused ", "Prefix cache: no prefix-cache hit"))
+    assert shot.marks > 0 or not shot.recomputes  # kvlink and full reuse recompute no chunk token
     with Image.open(out) as img:
         assert img.format == "PNG" and img.width >= 1000 and img.height >= 800

@@ -1,13 +1,18 @@
-"""kvrag's Streamlit demo: ask a question, watch a KV-reuse method answer next to Full Attention.
+"""kvrag's Streamlit demo: a chat over your documents, answered from reused KV caches, with Full
+Attention's answer to the same conversation beside each turn.
 
 Run it with `kvrag demo` (or `streamlit run demos/streamlit_app.py` from a clone, or
 `kvrag.demo.launch.launch()`); both serve 127.0.0.1 only unless told otherwise. On first start it
 indexes the bundled sample corpus and precomputes its KV under `$KVRAG_DEMO_DIR` (default
 `$KVRAG_HOME/demo`); later starts reuse it.
 
-The page shows, for one question, the chosen method's answer and Full Attention's answer, each
-streamed as plain text, their time-to-first-token and the speed-up, and the retrieved chunks with
-the tokens the method recomputed highlighted. Its parts live in `kvrag.demo` (stores, rendering,
+Each turn retrieves with the conversation's recent questions (`Conversation.retrieval_query`) and
+answers the whole conversation with the chosen method, streamed as plain text, with the exact
+prefix cache on (turn two reads only its new tokens). Beside the answer: its TTFT, Full Attention's
+over the same conversation and chunks (prefix cache off), the speed-up with the answers' agreement and
+first-token KL, the prefix-cache hit, and the retrieved chunks with the tokens the method recomputed
+highlighted; an answer the read-whole policy gave to Full Attention says so and highlights nothing.
+The conversation is kept per browser session. Its parts live in `kvrag.demo` (stores, rendering,
 ingestion and its caps); uploads are checked in `kvrag.demo.upload`.
 """
 
@@ -19,6 +24,7 @@ from typing import Any
 
 import streamlit as st
 
+from kvrag.chat import Conversation
 from kvrag.eval.metrics import agreement, first_token_kl
 from kvrag.options import RATIO_FREE
 from kvrag.ingest.samples import sample_questions
@@ -33,7 +39,21 @@ from kvrag.demo.ingest import (  # noqa: F401  (re-exported for callers of the o
     precompute_with_progress,
     uploads_dir,
 )
-from kvrag.demo.render import ChunkView, chunk_views, highlight_html, plain_label, show_answer, stream_answer, token_pieces  # noqa: F401
+from kvrag.demo.render import (  # noqa: F401
+    BASELINE,
+    ChunkView,
+    chunk_views,
+    chunks_caption,
+    counts_line,
+    highlight_html,
+    method_line,
+    plain_label,
+    prefix_line,
+    short_name,
+    show_answer,
+    stream_answer,
+    token_pieces,
+)
 from kvrag.demo.stores import (  # noqa: F401
     ALLOW_HOSTS_ENV,
     DEMO_DIR_ENV,
@@ -51,7 +71,6 @@ from kvrag.types import AnswerStats, Chunk
 
 quiet_libraries()  # before the model/embedder imports below: offline, no progress bars
 
-BASELINE = "full"
 DEFAULT_RATIO = 0.15
 DEFAULT_K = 5
 DEFAULT_MAX_NEW_TOKENS = 48
@@ -105,139 +124,149 @@ def open_engine(store_url: str) -> Any:
 
 
 # -- answering ------------------------------------------------------------------------------------
-@dataclass
-class Side:
-    """One column's answer."""
+CONVERSATION = "conversation"  # session state: this browser session's turns, as plain dicts
 
+
+@dataclass
+class Reply:
+    """One assistant turn as the page shows it, with Full Attention's reference beside it (plain data:
+    session state keeps it, and a rerun re-executes this script, so its classes are new objects)."""
+
+    text: str  # the method's answer: what the conversation carries on with
     method: str
-    text: str
-    stats: dict[str, Any]
-
-
-@dataclass
-class Result:
-    """Everything one question put on the page, kept so a rerun (e.g. moving a slider) still shows it."""
-
-    question: str
-    sides: list[Side]
-    chunks: list[ChunkView]
     ratio: float
-    kl: float = 0.0  # first-token KL divergence of the method from Full Attention
-
-    def to_state(self) -> dict[str, Any]:
-        """Plain dicts for session state: a rerun re-executes this script, so its classes are new objects."""
-        return asdict(self)
-
-    @classmethod
-    def from_state(cls, data: Any) -> "Result | None":
-        """Rebuild a result kept by `to_state` (None if the state holds something else)."""
-        try:
-            return cls(
-                question=data["question"],
-                sides=[Side(**s) for s in data["sides"]],
-                chunks=[ChunkView(**c) for c in data["chunks"]],
-                ratio=data["ratio"],
-                kl=float(data.get("kl", 0.0)),
-            )
-        except (KeyError, TypeError):
-            return None
+    stats: dict[str, Any]
+    full_text: str  # Full Attention over the same conversation and chunks, prefix cache off
+    full_stats: dict[str, Any]
+    kl: float  # first-token KL divergence of the method from Full Attention
+    chunks: list[ChunkView]
+    chunk_ids: list[str]  # in prompt order: a follow-up reads those it retrieves again in this order (keep_order)
 
     @property
     def speedup(self) -> float:
-        method, full = self.sides[0].stats["ttft_s"], self.sides[1].stats["ttft_s"]
-        return full / max(method, 1e-9)
+        return self.full_stats["ttft_s"] / max(self.stats["ttft_s"], 1e-9)
+
+    @property
+    def same(self) -> bool:
+        return bool(agreement(self.text, self.full_text))
+
+    def to_state(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, data: Any) -> "Reply | None":
+        """Rebuild a reply kept by `to_state` (None if the state holds something else)."""
+        try:
+            return cls(**{**data, "chunks": [ChunkView(**c) for c in data["chunks"]], "kl": float(data["kl"])})
+        except (KeyError, TypeError):
+            return None
 
 
-def side_title(method: str, ratio: float) -> str:
-    if method == BASELINE:
-        return "Full Attention (full)"
-    return f"{method}" + ("" if method in RATIO_FREE else f" (recompute {ratio:.0%})")
+def conversation() -> list[dict[str, Any]]:
+    """This session's turns: {"role", "content"} and, on an assistant turn, "reply" (`Reply.to_state`)."""
+    return st.session_state.setdefault(CONVERSATION, [])
 
 
-def stats_caption(stats: dict[str, Any]) -> str:
-    return (
-        f"{stats['prompt_tokens']} prompt tokens, {stats['recomputed_tokens']} recomputed, "
-        f"cache hits {stats['cache_hits']} / misses {stats['cache_misses']}, "
-        f"{stats['generated_tokens']} tokens generated"
-    )
+def messages_of(turns: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The turns as the engine reads them (OpenAI-style messages)."""
+    return [{"role": t["role"], "content": t["content"]} for t in turns]
 
 
-def answer_side(rag: Any, question: str, chunks: list[Chunk], method: str, ratio: float, max_new: int) -> tuple[Side, Any]:
-    """Prefill, then stream the answer into the current container; the prefill is returned for highlighting."""
-    st.subheader(side_title(method, ratio))
-    pre = rag.prefill(question, chunks=chunks, method=method, recompute_ratio=ratio)
-    stream = rag.decode(pre, max_new_tokens=max_new)
-    text = stream_answer(stream)  # plain text: the model's Markdown, links and images are not rendered
-    stats: AnswerStats = stream.stats
-    st.metric("Time to first token", f"{stats.ttft_s * 1000:.0f} ms")
-    st.caption(stats_caption(stats.as_dict()))
-    return Side(method, text if isinstance(text, str) else stream.text, stats.as_dict()), pre
+def keep_order(chunks: list[Chunk], previous: list[str]) -> list[Chunk]:
+    """A follow-up's chunks: those the turn before read too first, in that turn's order, then the new
+    ones in rank order. Retrieval may rank them anew; the same prompt start is what lets the prefix
+    cache serve the follow-up (all of it for the same chunks, the shared start for a context read whole)."""
+    by_id = {c.id: c for c in chunks}
+    again = [by_id[i] for i in previous if i in by_id]
+    return again + [c for c in chunks if c.id not in set(previous)]
 
 
-def show_side(side: Side, ratio: float) -> None:
-    st.subheader(side_title(side.method, ratio))
-    show_answer(side.text)
-    st.metric("Time to first token", f"{side.stats['ttft_s'] * 1000:.0f} ms")
-    st.caption(stats_caption(side.stats))
+def previous_chunk_ids(turns: list[dict[str, Any]]) -> list[str]:
+    for turn in reversed(turns):
+        if turn["role"] == "assistant" and isinstance(turn.get("reply"), dict):
+            return list(turn["reply"].get("chunk_ids") or [])
+    return []
 
 
-def show_speedup(result: Result) -> None:
-    """The speed-up, and beside it how close the fast answer is to Full Attention's: a fast wrong
-    answer is worth nothing, so the two are never shown apart."""
-    method = result.sides[0].method
-    same = agreement(result.sides[0].text, result.sides[1].text)
-    speed, close, kl = st.columns(3)
-    speed.metric(f"Speed-up in TTFT (Full ÷ {method})", f"{result.speedup:.1f}×")
-    close.metric("Same answer as Full Attention", "yes" if same else "no")
-    kl.metric("First-token KL from Full Attention", f"{result.kl:.3f}", help="0 means the first token's distribution is identical")
-
-
-def show_chunks(result: Result) -> None:
-    method = result.sides[0].method
-    st.subheader("Retrieved chunks")
-    if not any(v.recomputed for v in result.chunks):  # full reuse, kvlink: no chunk token recomputed
-        st.caption(f"{method} recomputed none of these tokens: every chunk came from the precomputed KV cache.")
-    else:
-        st.caption(
-            f"Highlighted: the tokens {method} recomputed; the rest came from the precomputed KV cache"
-            + (" (struck-through tokens were dropped from the cache)" if method == "samkv" else "")
-            + "."
-        )
-    # open the best-ranked chunk that has something highlighted (the first one if none has)
-    opened = next((i for i, v in enumerate(result.chunks) if v.recomputed), 0)
-    for i, view in enumerate(result.chunks):
-        with st.expander(view.label, expanded=i == opened):
+def show_reply(reply: Reply, open_chunks: bool = False) -> None:
+    """Under an answer: what read the prompt, its TTFT beside Full Attention's with the quality, the
+    prefix-cache hit, its own counts, the reference answer, and the chunks."""
+    stats, name = reply.stats, short_name(reply.method, reply.stats)
+    st.caption(f"Method: {method_line(reply.method, reply.ratio, stats)}")
+    ttft, full, speed, close, kl = st.columns(5)
+    ttft.metric("Time to first token", f"{stats['ttft_s'] * 1000:.0f} ms", help=f"this answer's ({name})")
+    full.metric("Full Attention TTFT", f"{reply.full_stats['ttft_s'] * 1000:.0f} ms",
+                help="the same conversation and chunks, re-read whole (prefix cache off)")
+    # a fast wrong answer is worth nothing: the speed-up is never shown apart from the quality
+    speed.metric("Speed-up in TTFT", f"{reply.speedup:.1f}×", help=f"Full Attention's TTFT ÷ this answer's ({name})")
+    close.metric("Same answer as Full", "yes" if reply.same else "no", help="the two answers' texts, normalised, are equal")
+    kl.metric("First-token KL", f"{max(reply.kl, 0.0):.3f}",
+              help="KL divergence of this answer's first-token distribution from Full Attention's: 0 means identical")
+    st.caption(f"Prefix cache: {prefix_line(stats)}. {counts_line(stats)}")
+    with st.expander("Full Attention's answer (the reference: whole conversation re-read, prefix cache off)"):
+        show_answer(reply.full_text)
+    st.caption(chunks_caption(reply.method, stats, reply.chunks))
+    with st.expander(f"Retrieved chunks ({len(reply.chunks)})", expanded=open_chunks):
+        for view in reply.chunks:
+            st.markdown(f"**{view.label}**")  # plain_label'd: no markup of the user's
             st.markdown(view.html, unsafe_allow_html=True)  # built from html.escape'd text only
 
 
-def ask(rag: Any, index: Any, question: str, method: str, ratio: float, top_k: int, max_new: int) -> Result | None:
-    """Retrieve, answer with `method` and with Full Attention side by side, and return what was shown."""
-    chunks = index.query(question, k=top_k)
+def answer_turn(rag: Any, index: Any, turns: list[dict[str, Any]], settings: "Settings") -> Reply | None:
+    """Retrieve with the conversation, stream the method's answer to the whole conversation (prefix
+    cache on), then run Full Attention over the same conversation and chunks for comparison."""
+    messages = messages_of(turns)
+    chunks = index.query(Conversation.of(messages).retrieval_query(), k=settings.top_k)
     if not chunks:
         st.error("Nothing is indexed yet, so there is nothing to answer from.")
         return None
-    left, right = st.columns(2)
-    with left:
-        side, pre = answer_side(rag, question, chunks, method, ratio, max_new)
-    with right:
-        full, full_pre = answer_side(rag, question, chunks, BASELINE, ratio, max_new)
-    kl = first_token_kl(full_pre.logits, pre.logits)
-    result = Result(question, [side, full], chunk_views(rag, pre), ratio, kl)
-    show_speedup(result)
-    show_chunks(result)
-    return result
+    chunks = keep_order(chunks, previous_chunk_ids(turns))
+    with st.chat_message("assistant"):
+        pre = rag.prefill(messages=messages, chunks=chunks, method=settings.method, recompute_ratio=settings.ratio, prefix_cache=True)
+        stream = rag.decode(pre, max_new_tokens=settings.max_new)
+        text = stream_answer(stream)  # plain text: the model's Markdown, links and images are not rendered
+        with st.spinner("Full Attention re-reads the whole conversation, for comparison ..."):
+            full_pre = rag.prefill(messages=messages, chunks=chunks, method=BASELINE, prefix_cache=False)
+            full = rag.decode(full_pre, max_new_tokens=settings.max_new)
+            full_text = "".join(full)
+        stats: AnswerStats = stream.stats
+        reply = Reply(
+            text=text, method=settings.method, ratio=settings.ratio, stats=stats.as_dict(),
+            full_text=full_text, full_stats=full.stats.as_dict(), kl=first_token_kl(full_pre.logits, pre.logits),
+            chunks=chunk_views(rag, pre, whole=bool(stats.full_reason)), chunk_ids=[c.id for c in pre.chunks],
+        )
+        show_reply(reply, open_chunks=True)
+    return reply
 
 
-def show_result(result: Result) -> None:
-    """Redraw the last answer after a rerun, without recomputing it."""
-    st.caption(f"Last question: {plain_label(result.question, 200)}")
-    left, right = st.columns(2)
-    with left:
-        show_side(result.sides[0], result.ratio)
-    with right:
-        show_side(result.sides[1], result.ratio)
-    show_speedup(result)
-    show_chunks(result)
+def show_conversation(turns: list[dict[str, Any]]) -> None:
+    """Redraw the conversation so far (a rerun shows it without recomputing anything)."""
+    last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=-1)
+    for i, turn in enumerate(turns):
+        with st.chat_message(turn["role"]):
+            show_answer(turn["content"])  # questions too: plain text
+            reply = Reply.from_state(turn.get("reply")) if turn["role"] == "assistant" else None
+            if reply is not None:
+                show_reply(reply, open_chunks=i == last)
+
+
+def ask(rag: Any, index: Any, question: str, settings: "Settings") -> None:
+    """One turn: the question joins the conversation, the answer (with its report) follows it; on an
+    error the question is taken back, so the conversation stays question, answer, question, ..."""
+    turns = conversation()
+    turns.append({"role": "user", "content": question})
+    with st.chat_message("user"):
+        show_answer(question)
+    try:
+        reply = answer_turn(rag, index, turns, settings)
+    except (KVRagError, ValueError, TypeError) as exc:
+        longer = " (a long conversation may not fit the model: start a new one)" if len(turns) > 1 else ""
+        st.error(f"Could not answer: {exc}{longer}")
+        reply = None
+    if reply is None:
+        turns.pop()
+        return
+    turns.append({"role": "assistant", "content": reply.text, "reply": reply.to_state()})
 
 
 # -- page -----------------------------------------------------------------------------------------
@@ -269,7 +298,8 @@ def sidebar_settings(folder: Path) -> Settings:
 
 
 def show_store(rag: Any) -> None:
-    """The store in use and its hit/miss counters since this server started."""
+    """The store in use and its lookup counters: cumulative, every session's and the ingestion's since the
+    server started (each answer shows its own lookups beside it)."""
     sb = st.sidebar
     sb.header("KV store")
     sb.code(redact_url(rag.store.url), language=None)
@@ -278,10 +308,8 @@ def show_store(rag: Any) -> None:
     except Exception as exc:  # a store fault must not break the page
         sb.warning(f"store statistics unavailable: {exc}")
         return
-    sb.caption("lookups in this store since the server started")
-    hits, misses = sb.columns(2)
-    hits.metric("Cache hits", stats.hits)
-    misses.metric("Cache misses", stats.misses)
+    sb.caption(f"Cumulative store lookups since the server started (all sessions, ingestion included): "
+               f"{stats.hits} hits, {stats.misses} misses. Each answer lists its own beside it.")
 
 
 def open_or_stop(settings: Settings) -> Any:
@@ -315,8 +343,9 @@ def main() -> None:
     st.set_page_config(page_title="kvrag demo", layout="wide")
     st.title("kvrag: RAG answers from reused KV caches")
     st.caption(
-        "Each retrieved chunk's KV cache was computed once and stored; a method stitches the cached chunks "
-        "together and recomputes only a few tokens. Full Attention reads every chunk again, for comparison."
+        "Ask a question, then follow-ups. Each retrieved chunk's KV cache was computed once and stored; the method "
+        "stitches the cached chunks together and recomputes only a few tokens, and the next turn reuses this turn's KV "
+        "(prefix cache). Beside each answer, Full Attention re-reads the whole conversation, for comparison."
     )
     warn_if_exposed()
     folder = data_dir()
@@ -336,20 +365,17 @@ def main() -> None:
     )
     handle_uploads(files or [], rag, index, folder)
 
-    question = st.text_input("Question", value=sample_questions()[0]["question"], key="question")
-    if st.button("Ask", type="primary", key="ask"):
-        if not question.strip():
-            st.error("Type a question first.")
-        else:
-            try:
-                result = ask(rag, index, question.strip(), settings.method, settings.ratio, settings.top_k, settings.max_new)
-            except (KVRagError, ValueError, TypeError) as exc:
-                st.error(f"Could not answer: {exc}")
-                result = None
-            if result is not None:
-                st.session_state["last_result"] = result.to_state()
-    elif (last := Result.from_state(st.session_state.get("last_result"))) is not None:
-        show_result(last)
+    if st.button("New conversation", key="new_conversation", help="forget this conversation and start again"):
+        conversation().clear()
+    turns = conversation()
+    sample = sample_questions()[0]["question"]
+    slot = st.empty()  # the suggestion's place, kept after the first turn so the turns keep theirs across reruns
+    suggested = not turns and slot.button(f"Try: {sample}", key="suggestion")
+    show_conversation(turns)
+    question = st.chat_input(f"Ask a question or a follow-up, e.g. {sample}", key="question")
+    question = (question or (sample if suggested else "")).strip()
+    if question:
+        ask(rag, index, question, settings)
     show_store(rag)
 
 
