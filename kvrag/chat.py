@@ -86,7 +86,7 @@ class Conversation:
             else:
                 turns.append((role, text))
         if not turns:
-            raise ValueError("the messages must contain a user message (the question)")
+            raise ValueError("the messages must contain a user message (a human message in LangChain): the question")
         return cls(turns=tuple(turns), system="\n\n".join(system))
 
     @property

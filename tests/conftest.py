@@ -15,6 +15,9 @@ os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 SHORT_CONTEXT_ENV = ("KVRAG_MIN_RECOMPUTE", "KVRAG_SHORT_CONTEXT", "KVRAG_RECORDS_WHOLE")
 for _name in SHORT_CONTEXT_ENV:
     os.environ[_name] = "0"
+# Every engine keeps finished turns' KV (kvrag.kv.prefix_cache, 1 GiB each by default); the suite keeps many
+# engines alive in one process (module fixtures), so each gets a small bound here.
+os.environ.setdefault("KVRAG_PREFIX_CACHE_MB", "64")
 
 
 @pytest.fixture

@@ -224,3 +224,16 @@ def test_row_ranges_and_merging_split_runs(tmp_path, capsys):
     assert "NAME=PATH" in capsys.readouterr().err
     assert main(["bench", "--data", str(data), "--adapter", "v=missing.safetensors", "--out", str(tmp_path / "x")]) == 2
     assert "no adapter file" in capsys.readouterr().err
+
+
+def test_the_chat_bench_measures_turn_two_with_and_without_the_prefix_cache(tmp_path):
+    from kvrag.eval.chat_bench import load_cases, run_chat_bench
+
+    cases = load_cases(None, passages=4)
+    assert all(sum(c.id in {g.id for g in case.gold} for c in case.context["10 passages"]) == len(case.gold) for case in cases)
+    result = run_chat_bench(tiny_rag(), tmp_path, ["full", "cacheblend"], n=2, max_new_tokens=3, passages=4, retrieval=False, progress=False)
+    rows = {(r["kind"], r["method"]): r for r in result["summary"]}
+    assert set(rows) == {(k, m) for k in ("10 passages", "short") for m in ("full", "cacheblend")}
+    assert rows[("short", "full")]["identical"] == 2  # exact: the cache changes no token
+    assert all(r["prefix_hit_tokens"] > 0 for r in result["records"])
+    assert (tmp_path / "chat.md").read_text().count("\n| ") >= 5 and (tmp_path / "chat.json").exists()

@@ -213,3 +213,21 @@ def test_full_over_a_conversation_is_the_bundled_models_chat_template(smollm):
     one = Conversation.ask("What did the cat do?")
     segments = rag.layout.conversation_segments([rag.layout.chunk_ids(c) for c in CHUNKS], one)
     assert segments.all_ids() == reference_ids(rag.lm.tokenizer, rag.layout.conversation_messages(CHUNKS, one))
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("method", ["full", "fusionrag"])
+def test_turn_two_on_the_bundled_model_reads_only_its_new_tokens(smollm, method):
+    """Full Attention: with the prefix cache turn two answers token for token as without it. fusionrag (policies
+    off here): turn two continues turn one's state, and reads only the tokens after it either way."""
+    rag = KVRag(smollm, store="memory://", check=False)
+    chunks = [Chunk("brannoch", "The Brannoch Line opened in 1893. Its chief engineer was Isobel Carrick."),
+              Chunk("averly", "The Averly Light was first lit in 1839 and is 38 metres tall."),
+              Chunk("marrow", "The capital of Isle Marrow is Saltmere.")]
+    first = rag.chat([("user", "Who was the chief engineer of the Brannoch Line?")], chunks=chunks, method=method)
+    messages = [("user", "Who was the chief engineer of the Brannoch Line?"), ("assistant", first.text), ("user", "When did it open?")]
+    hit = rag.chat(messages, chunks=chunks, method=method)
+    assert hit.stats.prefix_hit_tokens >= hit.stats.prompt_tokens - 20 and hit.stats.recomputed_tokens == 0
+    assert "1893" in hit.text, hit.text
+    if method == "full":
+        assert hit.text == rag.chat(messages, chunks=chunks, method=method, prefix_cache=False).text
