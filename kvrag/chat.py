@@ -51,7 +51,7 @@ class Conversation:
         if not self.turns or self.turns[-1][0] != "user":
             raise ValueError("a conversation must end with a user message (the question to answer)")
         if not self.turns[-1][1].strip():
-            raise ValueError("the last user message must not be empty")
+            raise ValueError("the last user message must be a non-empty string (the question)")
         for role, _ in self.turns:
             if role not in ("user", "assistant"):
                 raise ValueError(f"a turn's role must be 'user' or 'assistant', got {role!r}")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvrag import KVRag, from_model
+from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.options import DEFAULT_MIN_RECOMPUTE, DEFAULT_RECORDS_WHOLE, DEFAULT_SHORT_CONTEXT, AnswerOptions
 from test_methods import RECORDS  # four lamp records written to one pattern
 from test_quality_options import CHUNKS, IDS, Q  # three ~90-character chunks and a question about the first
@@ -17,7 +18,9 @@ METHODS = ["reuse", "cacheblend", "epic", "a3", "fusionrag", "samkv", "kvlink"]
 
 @pytest.fixture(scope="module")
 def rag():
-    r = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://", check=False)
+    # no prefix cache: these tests ask the same prompts again and measure how the policy reads them
+    # (a repeated prompt would continue from the cache: tests/test_conversation.py)
+    r = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://", check=False, prefix_cache=PrefixCache(0))
     r.precompute(CHUNKS, progress=False)
     return r
 

@@ -250,7 +250,7 @@ def test_two_apps_in_one_process_have_their_own_metrics(rag):
 
 # -- admission: queue, 503, disconnects ----------------------------------------------------------------
 class Held:
-    """An engine proxy whose `complete` waits for `release` (holds the slot), and whose streams
+    """An engine proxy whose `complete`/`complete_chat` wait for `release` (hold the slot), and whose streams
     yield `pieces` slow pieces: a request that lasts as long as a test needs."""
 
     def __init__(self, rag: KVRag, pieces: int = 0, delay: float = 0.0) -> None:
@@ -261,9 +261,15 @@ class Held:
         return getattr(self._rag, name)
 
     def complete(self, prompt: str, **kwargs: Any):
+        return self._held(self._rag.complete, prompt, **kwargs)
+
+    def complete_chat(self, messages: Any, **kwargs: Any):  # what the server calls for plain chat
+        return self._held(self._rag.complete_chat, messages, **kwargs)
+
+    def _held(self, call: Any, arg: Any, **kwargs: Any):
         self.entered.set()
         assert self.release.wait(30)
-        stream = self._rag.complete(prompt, **kwargs)
+        stream = call(arg, **kwargs)
         if self.pieces:
             def slow():
                 for _ in range(self.pieces):

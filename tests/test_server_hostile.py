@@ -150,7 +150,7 @@ def test_deleting_an_id_keeps_the_entry_another_id_shares_in_the_store_index(kin
 
 # -- item 5: a request whose client has gone does no work ---------------------------------------------------
 class Blocking:
-    """An engine proxy whose first `complete` holds its slot until `release`; counts every call."""
+    """An engine proxy whose first `complete_chat` holds its slot until `release`; counts every call."""
 
     def __init__(self, rag: KVRag) -> None:
         self._rag = rag
@@ -160,11 +160,11 @@ class Blocking:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rag, name)
 
-    def complete(self, prompt: str, **kwargs: Any):
+    def complete_chat(self, messages: Any, **kwargs: Any):  # what the server calls for plain chat
         self.calls += 1
         self.entered.set()
         assert self.release.wait(60)
-        return self._rag.complete(prompt, **kwargs)
+        return self._rag.complete_chat(messages, **kwargs)
 
 
 def test_queued_requests_whose_clients_left_never_start(rag):
@@ -208,8 +208,8 @@ class Slowed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rag, name)
 
-    def complete(self, prompt: str, **kwargs: Any):
-        stream = self._rag.complete(prompt, **kwargs)
+    def complete_chat(self, messages: Any, **kwargs: Any):  # what the server calls for plain chat
+        stream = self._rag.complete_chat(messages, **kwargs)
         real = stream._pieces
 
         def slow():

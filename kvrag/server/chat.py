@@ -80,7 +80,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     try:
         conv = conversation_of(req.messages)
     except ValueError as exc:
-        raise APIError(400, str(exc), "invalid_messages", param="messages") from None
+        raise APIError(400, str(exc), "invalid_request", param="messages") from None
     if ctx is not None and ctx.has_context:
         if ctx.chunk_ids is not None and ctx.chunks is not None:
             raise as_api_error(ValueError("kvrag: pass either chunk_ids or chunks, not both"))
