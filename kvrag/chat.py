@@ -49,7 +49,7 @@ class Conversation:
 
     def __post_init__(self) -> None:
         if not self.turns or self.turns[-1][0] != "user":
-            raise ValueError("a conversation must end with a user message (the question to answer)")
+            raise ValueError("a conversation must end with a user message (a human message in LangChain): the question to answer")
         if not self.turns[-1][1].strip():
             raise ValueError("the last user message must be a non-empty string (the question)")
         for role, _ in self.turns:

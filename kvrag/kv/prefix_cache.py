@@ -22,12 +22,13 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # numpy and torch load with the first use, not with this module (the CLI's parser imports it)
+    import numpy as np
+    import torch
 
-from kvrag.model.cache import KV, LayerStack
+    from kvrag.model.cache import KV, LayerStack
 
 # the default bound: KVRAG_PREFIX_CACHE_MB, else this (about 20 conversations of 1.5k tokens on the
 # bundled model in float32: 46 KB a token)
@@ -102,6 +103,8 @@ def without_prefix_cache(fn: Callable[..., T]) -> Callable[..., T]:
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading ids `a` and `b` share."""
+    import numpy as np
+
     n = min(a.size, b.size)
     if n == 0:
         return 0
@@ -142,6 +145,8 @@ class PrefixCache:
         at least one token to read (its logits start the answer); None when there is none."""
         if not self.enabled:
             return None
+        import numpy as np
+
         want = np.asarray(ids, dtype=np.int64)
         best: tuple[int, int] | None = None
         with self._lock:
@@ -165,6 +170,9 @@ class PrefixCache:
         slots are taken). An entry these ids extend is replaced; one larger than the bound is not kept."""
         if not self.enabled or not ids:
             return False
+        import numpy as np
+        import torch
+
         n = len(ids)
         keys = torch.stack([k[0, :, :n] for k, _ in kv])
         values = torch.stack([v[0, :, :n] for _, v in kv])
