@@ -123,11 +123,6 @@ class Conversation:
         return Conversation(turns=(*self.turns, ("assistant", answer), ("user", question)), system=self.system)
 
 
-def conversation_of(turns: Sequence[Turn]) -> Conversation:
-    """`Conversation.of` for (role, content) pairs."""
-    return Conversation.of(turns)
-
-
 def prompt_of(turns: Sequence[Turn]) -> str:
     """One plain-text prompt (a lone user message untouched), for `KVRag.complete`: where a caller
     hands a framework's ready-made prompt rather than messages."""
