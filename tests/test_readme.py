@@ -1,4 +1,8 @@
-"""The README's ```python blocks run as written, and print right answers.
+"""The ```python blocks of README.md and of the docs pages run as written, and print right answers.
+
+README.md: every block carries a marker. docs/**/*.md (the site's pages; not the raw reports under
+docs/bench): every block that carries a marker runs. A block whose code is the same as an earlier one's
+(the docs repeat the README's integration examples) runs once.
 
 Every block runs in a fresh namespace, in order, with $KVRAG_HOME a temporary folder whose retrieval
 index holds the bundled sample corpus (what `kvrag ingest` would have put there). Twice:
@@ -16,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _SKIP = re.compile(r"<!--\s*test:\s*skip\s*(?:\((?P<reason>[^)]*)\))?\s*-->")
 _PRINTS = re.compile(r"<!--\s*test:\s*prints\s+(?P<facts>.*?)\s*-->")
@@ -45,14 +51,59 @@ def marked_blocks(text: str) -> list[tuple[int, str, str | None, list[str]]]:
     return out
 
 
+def docs_pages() -> list[Path]:
+    """The site's pages: docs/**/*.md but the raw benchmark reports (docs/bench), which commands write."""
+    return sorted(p for p in DOCS.rglob("*.md") if "bench" not in p.relative_to(DOCS).parts[:1])
+
+
+def docs_marked_blocks() -> list[tuple[str, int, str, str | None, list[str]]]:
+    """(where, line, code, skip reason, facts) of every docs block that carries a marker."""
+    out = []
+    for page in docs_pages():
+        where = str(page.relative_to(ROOT))
+        text = page.read_text(encoding="utf-8")
+        for line, code, reason, facts in marked_blocks(text):
+            if reason is not None or facts:
+                out.append((where, line, code, reason, facts))
+    return out
+
+
 MARKED = marked_blocks(README.read_text(encoding="utf-8"))
 BLOCKS = [(line, code, reason) for line, code, reason, _ in MARKED]
+DOCS_MARKED = docs_marked_blocks()
+
+
+def _every_block() -> list[tuple[str, str, str | None, list[str]]]:
+    """(where, code, skip reason, facts) of the README's blocks and the docs' marked ones, each code once."""
+    seen: dict[str, int] = {}
+    out: list[tuple[str, str, str | None, list[str]]] = []
+    for where, line, code, reason, facts in [("README.md", *m) for m in MARKED] + DOCS_MARKED:
+        key = code.strip()
+        if key in seen:  # the same code: one run, every marker's facts checked
+            i = seen[key]
+            w, c, r, f = out[i]
+            out[i] = (w, c, r if r is not None else reason, sorted(set(f) | set(facts)))
+            continue
+        seen[key] = len(out)
+        out.append((f"{where}:{line}", code, reason, facts))
+    return out
+
+
+EVERY = _every_block()
 
 
 def test_blocks_are_found_and_skips_are_few():
     assert len(BLOCKS) >= 3, "README's python blocks were not found: has the fence syntax changed?"
     skipped = [b for b in BLOCKS if b[2] is not None]
     assert len(skipped) <= 2, f"keep skipped README blocks few: {[(ln, r) for ln, _, r in skipped]}"
+
+
+def test_docs_pages_have_run_blocks():
+    assert docs_pages(), "no docs pages found"
+    runs = [b for b in DOCS_MARKED if b[3] is None]
+    assert len(runs) >= 2, "the docs' python examples lost their <!-- test: prints ... --> markers"
+    for where, line, _, reason, _ in DOCS_MARKED:
+        assert reason is None or reason, f"{where}:{line}: a skipped block needs a reason"
 
 
 def test_every_block_names_the_facts_it_prints():
@@ -101,28 +152,28 @@ def tiny_engines(monkeypatch, readme_home):
     return made
 
 
-@pytest.mark.parametrize("line,code,skip", BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
-def test_readme_python_block_runs(line, code, skip, tiny_engines, capsys):
+@pytest.mark.parametrize("where,code,skip", [b[:3] for b in EVERY], ids=[b[0] for b in EVERY])
+def test_readme_python_block_runs(where, code, skip, tiny_engines, capsys):
     if skip is not None:
         pytest.skip(skip)
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})
     assert tiny_engines, "the block was expected to build an engine (KVRag.from_pretrained)"
     capsys.readouterr()
 
 
 @pytest.mark.smollm
-@pytest.mark.parametrize("line,code,skip,facts", MARKED, ids=[f"README.md:{b[0]}" for b in MARKED])
-def test_readme_python_block_prints_right_answers_on_the_bundled_model(line, code, skip, facts, readme_home,
+@pytest.mark.parametrize("where,code,skip,facts", EVERY, ids=[b[0] for b in EVERY])
+def test_readme_python_block_prints_right_answers_on_the_bundled_model(where, code, skip, facts, readme_home,
                                                                        monkeypatch, capsys, shipped_defaults):
     """As a newcomer runs it: the bundled model, the default method and short-context policy, and the
     disk store under $KVRAG_HOME; every fact the block's marker names is in what it prints."""
     if skip is not None:
         pytest.skip(skip)
     monkeypatch.setenv("KVRAG_HOME", str(readme_home))
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})
     printed = capsys.readouterr().out
     missing = [f for f in facts if f not in printed]
-    assert not missing, f"README.md:{line} printed no {missing}:\n{printed}"
+    assert not missing, f"{where} printed no {missing}:\n{printed}"
 
 
 def test_chunk_index_defaults_to_kvrag_home_and_expands_home(monkeypatch, tmp_path):
