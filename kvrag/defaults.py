@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 # The default fast setting over a model's own weights, as `kvrag eval suite`'s rule picks it
-# (docs/bench/suite, README "Defaults"): since session 17, with the six-long-document fact set at 30
+# (docs/bench/suite; docs/methods.md, how the default is chosen): with the six-long-document fact set at 30
 # questions, cacheblend@0.15 and fusionrag@0.15 keep up with base Full on the same 12 of 14 blocks
 # (both lose there: 5 and 6 of 30 against Full's 10 at 16 tokens), and fusionrag agrees with base
 # Full's answer more often (mean 0.649 against 0.601), as on the 400 held-out NQ questions (0.265

@@ -36,3 +36,20 @@ def test_methods_names_the_default(capsys):
     assert main(["methods"]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(DEFAULT_METHOD + " "))
     assert "(the default)" in line
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import argparse
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif action.dest != "help" and action.help != argparse.SUPPRESS and not (action.help or "").strip():
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(_parser(), "kvrag")
+    assert not missing, missing

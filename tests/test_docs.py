@@ -122,9 +122,6 @@ def test_help_texts_name_no_other_default_method():
     assert not wrong, f"`--help` texts that contradict DEFAULT_METHOD={DEFAULT_METHOD!r}: {wrong}"
 
 
-@pytest.mark.xfail(reason="the integrations' `method` field descriptions still say 'else cacheblend' "
-                          "(integrations/llama_index/llm.py, integrations/langchain/chat_model.py); "
-                          "they should read kvrag.defaults.DEFAULT_METHOD", strict=False)
 def test_integration_field_descriptions_name_no_other_default_method():
     from kvrag.defaults import DEFAULT_METHOD
 

@@ -23,6 +23,7 @@ from pydantic import AliasChoices, Field, PrivateAttr
 from kvrag.chat import Conversation, Turn, last_user_text, prompt_of
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.model.loading import BUNDLED_NAME
+from kvrag.defaults import DEFAULT_METHOD, TUNED_METHOD
 from kvrag.options import AnswerOptions
 from kvrag.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
@@ -77,7 +78,7 @@ class ChatKVRag(BaseChatModel):
     of the cached prefix that every chunk's KV was computed after, so other turns cannot go in front.
     """
 
-    method: str | None = Field(default=None, description="Method: reuse, full, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, kvlink over the tuned bundled model, else cacheblend).")
+    method: str | None = Field(default=None, description=f"Method: reuse, full, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, {TUNED_METHOD} over the tuned bundled model, else {DEFAULT_METHOD}).")
     recompute_ratio: float | Literal["auto"] = Field(default=0.15, description="Share of chunk tokens recomputed by selective methods, or 'auto' (per request).")
     max_new_tokens: int = Field(
         default=64,

@@ -32,6 +32,7 @@ from llama_index.core.schema import BaseNode, MetadataMode
 from kvrag.chat import Conversation
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.ingest.prompt_match import match_conversation
+from kvrag.defaults import DEFAULT_METHOD, TUNED_METHOD
 from kvrag.options import AnswerOptions
 from kvrag.client import stream_via_server
 from kvrag.types import AnswerStats, Chunk
@@ -63,7 +64,7 @@ class KVRagLLM(CustomLLM):
 
     model_name: str | None = Field(default=None, description="HF model id, folder or .gguf; None = bundled SmolLM2-135M-Instruct")
     store: str | None = Field(default=None, description="KV store URL; None = disk under $KVRAG_HOME")
-    method: str | None = Field(default=None, description="kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, kvlink over the tuned bundled model, else cacheblend)")
+    method: str | None = Field(default=None, description=f"kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, {TUNED_METHOD} over the tuned bundled model, else {DEFAULT_METHOD})")
     recompute_ratio: float | Literal["auto"] = Field(default=0.15, description="share of chunk tokens recomputed by selective methods, or 'auto' (per request)")
     max_new_tokens: int = Field(default=128, description="tokens to generate at most")
     temperature: float = Field(default=0.0, description="0 = greedy")

@@ -24,7 +24,7 @@ _REGISTER = {"check": "add_check_model_parser", "train": "add_train_links_parser
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrag", description="Fast RAG on a local LLM by reusing per-chunk KV caches.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (INFO) on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         module = import_module(f"kvrag.cli.{name}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvrag.kv.prefix_cache import without_prefix_cache
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ask = sub.add_parser("ask", help="answer a question from the ingested chunks")
     add_engine_options(ask)
     add_server_option(ask)
-    ask.add_argument("question")
+    ask.add_argument("question", help="the question, in quotes")
     ask.add_argument("--method", default=None,
                      help=f"full, reuse, ... (see `kvrag methods`; default: {DEFAULT_METHOD}, or {TUNED_METHOD} with --link-adapter tuned)")
     ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
@@ -51,13 +52,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                           f"default {DEFAULT_DRAFT_TOKENS} for float32 models, where answers stay the same, else 0)")
     ask.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the same answer every time); above 0: sampled")
     ask.add_argument("--json", action="store_true", help="print answer, sources and stats as one JSON object")
+    ask.add_argument("--compare", action="store_true",
+                     help="also answer with Full Attention (the reference) and print the speed-up and whether the answers "
+                          "agree (each setting runs once untimed first)")
     ask.add_argument("--sources", action="store_true", help="after the answer, list the chunks it read: title, file, id, first line")
     ask.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. update=fusion")
     ask.add_argument("--evict-budget", type=int, default=None, help="SnapKV: chunk tokens kept per layer/head after the first token")
 
     qs = sub.add_parser("quickstart", help="ingest the sample corpus and compare Full Attention with KV reuse")
     add_engine_options(qs)
-    qs.add_argument("--question", default=None)
+    qs.add_argument("--question", default=None,
+                    help="your own question about the sample corpus, asked over the retrieved chunks (default: the sample's first)")
 
     sub.add_parser("methods", help="list the available methods")
     ask.set_defaults(func=cmd_ask)
@@ -79,10 +84,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.method is None:
         check_method(rag.default_method, params)  # the parameters belong to the engine's default method
     chunks = common.retrieve(index, args.question, args.top_k)
-    stream = rag.stream(
-        args.question,
-        chunks=chunks,
-        method=args.method,
+    options = dict(
         recompute_ratio=args.recompute_ratio,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -92,6 +94,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
         **dict(params),
     )
+    if args.compare:
+        return _ask_compared(args, rag, chunks, options)
+    stream = rag.stream(args.question, chunks=chunks, method=args.method, **options)
     if args.json:
         ans = stream.answer()
         print(json.dumps({"answer": ans.text, "chunk_ids": ans.chunk_ids, "sources": sources(chunks), "stats": ans.stats.as_dict()}))
@@ -104,6 +109,31 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print(source_lines(chunks))
     print(stream.stats.reading(), file=sys.stderr)
     print(stream.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _ask_compared(args: argparse.Namespace, rag, chunks, options: dict) -> int:
+    """`ask --compare`: the answer, then Full Attention's beside it with the speed-up and the agreement."""
+    if args.temperature > 0:
+        raise KVRagError("--compare needs greedy answers (--temperature 0): sampled answers differ run to run")
+    method = args.method or rag.default_method
+    runs = [(method, {}, "")] if method == "full" else [(method, {}, ""), ("full", {}, "")]
+    rows = compare_runs(rag, args.question, chunks, runs, **options)
+    mine, full = rows[0], rows[-1]
+    if args.json:
+        print(json.dumps({"answer": mine.text, "chunk_ids": [c.id for c in chunks], "sources": sources(chunks),
+                          "compare": [r.as_dict() for r in rows]}))
+        return 0
+    print(mine.text)
+    if args.sources:
+        print(source_lines(chunks))
+    if mine.agrees is None:
+        print("(--compare: this answer is Full Attention's, the reference)")
+    else:
+        verdict = "the same answer as Full Attention" if mine.agrees else f"DIFFERS from Full Attention's: {full.text}"
+        print(f"vs Full Attention: {mine.speedup:.1f}x sooner to the first token "
+              f"({mine.ttft_s * 1000:.0f} ms vs {full.ttft_s * 1000:.0f} ms); {verdict} (first-token KL {mine.kl:.3f})")
+    print(mine.reading, file=sys.stderr)
     return 0
 
 
@@ -154,6 +184,8 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
 
     if args.evict_budget is not None:
         raise KVRagError("--evict-budget is not available through --server")
+    if args.compare:
+        raise KVRagError("--compare is not available through --server (it answers twice on this machine's model)")
     if args.draft_tokens is not None:
         raise KVRagError("--draft-tokens is not available through --server (the server decodes with its default)")
     options = dict(method=args.method, recompute_ratio=args.recompute_ratio, max_new_tokens=args.max_new_tokens,
@@ -197,33 +229,77 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 RAW = {"short_context": 0, "min_recompute": 0, "records_whole": False}  # the read-whole policies off: what a method does alone
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """One method's answer beside Full Attention's: the speed-up is never shown without the quality."""
+
+    label: str
+    text: str
+    ttft_s: float
+    full_ttft_s: float
+    agrees: bool | None  # None: this is Full Attention itself
+    kl: float
+    reading: str  # how the context was read ("read whole: ..." or "fusionrag recomputed 15% ...")
+    whole_chunks: int = 0
+    read_whole: bool = False
+    context_tokens: int = 0
+
+    @property
+    def speedup(self) -> float:
+        return self.full_ttft_s / max(self.ttft_s, 1e-9)
+
+    def quality(self) -> str:
+        if self.agrees is None:
+            return "reference"
+        q = f"{'agrees' if self.agrees else 'DIFFERS'}, KL {self.kl:.3f}"
+        if self.read_whole:
+            q += f"; read whole ({self.context_tokens} chunk tokens)"
+        elif self.whole_chunks:
+            q += f"; {self.whole_chunks} chunk(s) recomputed whole (whole_chunks)"
+        return q
+
+    def line(self) -> str:
+        return (f"[{self.label:>28}] {self.text}\n{'':31}TTFT {self.ttft_s * 1000:.0f} ms, {self.speedup:.1f}x vs Full; "
+                f"{self.quality()}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"method": self.label, "answer": self.text, "ttft_s": self.ttft_s, "full_ttft_s": self.full_ttft_s,
+                "speedup": self.speedup, "agrees": self.agrees, "first_token_kl": self.kl, "reading": self.reading}
+
+
 @without_prefix_cache
-def compare_with_full(rag, question: str, chunks, methods, raw: str | None = None) -> list[str]:
-    """One line per method: its answer, TTFT speed-up over Full Attention, and how close the answer is
-    to Full Attention's (never a speed-up without the quality beside it); `raw`: one more line, that
-    method with the short-context policy off. Every setting runs once untimed first."""
+def compare_runs(rag, question: str, chunks, runs: Sequence[tuple[str | None, dict, str]], **options) -> list[Comparison]:
+    """Each run (method, extra options, label suffix) beside Full Attention over the same chunks: its answer,
+    TTFT speed-up and agreement. Every setting runs once untimed first, so no one-time cost (first kernels,
+    buffers) lands in a printed TTFT; the prefix cache is paused, so each reads what its method reads."""
     from kvrag.eval.metrics import agreement, first_token_kl
 
-    runs = [(m, {}, "") for m in methods] + ([(raw, RAW, ", policy off")] if raw else [])
-    for method, extra, _ in runs:  # warm-up, untimed: no one-time cost (first kernels, buffers) in a printed TTFT
-        rag.prefill(question, chunks=chunks, method=method, **extra)
-    full = rag.prefill(question, chunks=chunks, method="full")
-    full_text = rag.decode(full).answer().text
-    lines = []
+    for method, extra, _ in runs:
+        rag.prefill(question, chunks=chunks, method=method, **{**options, **extra})
+    rag.prefill(question, chunks=chunks, method="full", **options)
+    full = rag.prefill(question, chunks=chunks, method="full", **options)
+    full_text = rag.decode(full, **options).answer().text
+    out = []
     for method, extra, tag in runs:
-        pre = full if method == "full" else rag.prefill(question, chunks=chunks, method=method, **extra)
-        text = full_text if method == "full" else rag.decode(pre).answer().text
-        speedup = full.stats.ttft_s / max(pre.stats.ttft_s, 1e-9)
-        quality = "reference" if method == "full" else (
-            f"{'agrees' if agreement(text, full_text) else 'DIFFERS'}, KL {first_token_kl(full.logits, pre.logits):.3f}"
-        )
-        if method != "full" and pre.stats.full_reason:
-            quality += f"; read whole ({pre.stats.context_tokens} chunk tokens)"
-        elif pre.stats.whole_chunks:
-            quality += f"; {pre.stats.whole_chunks} chunk(s) recomputed whole (whole_chunks)"
-        label = (method if method in RATIO_FREE else f"{method}@{DEFAULT_RATIO:g}") + tag
-        lines.append(f"[{label:>28}] {text}\n{'':31}TTFT {pre.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs Full; {quality}")
-    return lines
+        name = method or rag.default_method
+        pre = full if name == "full" else rag.prefill(question, chunks=chunks, method=method, **{**options, **extra})
+        text = full_text if name == "full" else rag.decode(pre, **{**options, **extra}).answer().text
+        out.append(Comparison(
+            label=(name if name in RATIO_FREE else f"{name}@{options.get('recompute_ratio', DEFAULT_RATIO):g}") + tag,
+            text=text, ttft_s=pre.stats.ttft_s, full_ttft_s=full.stats.ttft_s,
+            agrees=None if name == "full" else agreement(text, full_text),
+            kl=0.0 if name == "full" else first_token_kl(full.logits, pre.logits),
+            reading=pre.stats.reading(), whole_chunks=pre.stats.whole_chunks,
+            read_whole=name != "full" and bool(pre.stats.full_reason), context_tokens=pre.stats.context_tokens,
+        ))
+    return out
+
+
+def compare_with_full(rag, question: str, chunks, methods, raw: str | None = None) -> list[str]:
+    """One line per method (its answer, TTFT speed-up over Full Attention, how close the answer is to Full's);
+    `raw`: one more line, that method with the read-whole policies off."""
+    runs = [(m, {}, "") for m in methods] + ([(raw, RAW, ", policy off")] if raw else [])
+    return [c.line() for c in compare_runs(rag, question, chunks, runs)]
 
 
 def cmd_methods(args: argparse.Namespace) -> int:

@@ -9,6 +9,10 @@ import os
 from kvrag.defaults import LAYERWISE_CHOICES
 from kvrag.eval.draft_speed import DRAFT_SETS
 
+MODEL_HELP = "HF model id, folder or .gguf (default: $KVRAG_MODEL, else the bundled SmolLM2-135M-Instruct)"
+DEVICE_HELP = "auto (CUDA when present), cuda or cpu"
+DTYPE_HELP = "auto (bfloat16 on CUDA, float16 where the GPU lacks bf16; float32 elsewhere), float32, bfloat16 or float16"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
@@ -22,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--redis", default=None, help="bench store: also measure this Redis URL")
     bench.add_argument("--data", default=None, help="JSONL shaped like shared/data/*.jsonl (default with --quick: the bundled sample)")
     bench.add_argument("--n", type=int, default=100, help="examples (seeded sample)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the sample of examples")
     bench.add_argument("--methods", default=None, help="methods, comma-separated (default: cacheblend,epic,a3,fusionrag,samkv; "
                        "chat: full and the default method)")
     bench.add_argument("--data-dir", default="../shared/data", help="chat: a folder with nq10_dev.jsonl, whose passages "
@@ -30,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-retrieval", dest="retrieval", action="store_false", help="chat: skip the retrieval section")
     bench.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios, or auto (the engine picks per question; the records hold its choice); speed mode: the first one given, default 0.15")
     bench.add_argument("--similarity", action="store_true", help="also run FusionRAG's similarity-guided entries")
-    bench.add_argument("--max-new-tokens", type=int, default=24)
+    bench.add_argument("--max-new-tokens", type=int, default=24, help="the most tokens each answer may have")
     bench.add_argument("--contexts", "--context", dest="contexts", default=None,
                        help="context sizes for the TTFT-vs-length sweep, e.g. 512,1k,2k,4k ('none' skips it in quality mode)")
     bench.add_argument("--chunk-tokens", type=int, default=None, help="speed sweep: tokens per chunk (default 400; 128 with --quick)")
@@ -42,11 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--random-weights", action="store_true", help="speed mode with --shape: build the shape with random weights")
     bench.add_argument("--quick", action="store_true", help="a few examples and small contexts: the whole harness in a few minutes")
     bench.add_argument("--out", required=True, help="output folder (re-running resumes)")
-    bench.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+    bench.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help=MODEL_HELP)
     bench.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv, removed when the run completes)")
     bench.add_argument("--keep-store", action="store_true", help="keep the default store under OUT/kv after a completed run")
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--device", default="auto", help=DEVICE_HELP)
+    bench.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     bench.add_argument("--merge", default=None, metavar="DIR,DIR,...",
                        help="no new answers: join the records of runs split across processes into --out and report them")
     bench.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
@@ -54,17 +58,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(e.g. --adapter lora5=a.safetensors --methods kvlink:link_tokens=5,model=lora5 --ratios 0)")
 
     ev = sub.add_parser("eval", help="evaluation suites: `eval suite` decides the default on several kinds of data")
-    ev.add_argument("suite", choices=("suite",), help="suite: every set at two answer lengths, the rule applied (README Defaults)")
+    ev.add_argument("suite", choices=("suite",), help="suite: every set at two answer lengths, the rule applied (docs: Methods, how the default is chosen)")
     ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md, suite.json, suite.png")
     ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
     ev.add_argument("--sets", default="sample,facts,facts-one,nq10,facts-long,musique,kv75", help="which sets, comma-separated")
     ev.add_argument("--lengths", default="16,64", help="answer lengths in new tokens, comma-separated")
     ev.add_argument("--n", type=int, default=None, help="questions per set (default: each set's own size)")
     ev.add_argument("--tuned", default="shipped", help="the reuse-tuned adapter to judge: shipped (the packaged one), a file, or none")
-    ev.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+    ev.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help=MODEL_HELP)
     ev.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv, removed when the run completes)")
     ev.add_argument("--keep-store", action="store_true", help="keep the default store under OUT/kv after a completed run")
-    ev.add_argument("--device", default="auto")
+    ev.add_argument("--device", default="auto", help=DEVICE_HELP)
     ev.add_argument("--report-only", action="store_true", help="no new answers: the table of what OUT holds so far")
     dv = sub.add_parser("bench-deviation", help="KV deviation from Full Attention: plain vs similarity-guided entries")
     dv.add_argument("--data", required=True, help="a JSONL shaped like shared/data/*.jsonl (PATH@START:END for rows)")
@@ -73,9 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     dv.add_argument("--top-n", type=int, default=2, help="similar chunks each similarity-guided entry is computed after")
     dv.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF id, folder or .gguf (default: the bundled model)")
     sb = sub.add_parser("bench-store", help="store latency/throughput and the load share of TTFT")
-    sb.add_argument("--out", required=True)
+    sb.add_argument("--out", required=True, help="output folder: store.json, store.md and the plot")
     sb.add_argument("--redis", default=None, help="also measure this Redis URL (e.g. redis://127.0.0.1:6379/0)")
-    sb.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
+    sb.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help=MODEL_HELP)
     dc = sub.add_parser("bench-decode", help="single-stream decode tokens/s: the engine, stock generate, the weights-read bound")
     dc.add_argument("--out", required=True, help="folder for decode.json and decode.md")
     dc.add_argument("--contexts", default="1024,4096", help="context lengths in tokens, comma-separated (default 1024,4096)")
@@ -87,8 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="eval-suite sets whose questions measure the drafts' speed-up and agreement; '' for none (default %(default)s)")
     dc.add_argument("--draft-n", type=int, default=8, help="questions per draft set (default 8)")
     dc.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
-    dc.add_argument("--model", default=os.environ.get("KVRAG_MODEL"))
-    dc.add_argument("--device", default=None)
+    dc.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help=MODEL_HELP)
+    dc.add_argument("--device", default=None, help="auto (CUDA when present), cuda or cpu")
     dc.set_defaults(func=_run("cmd_bench_decode"))
     bench.set_defaults(func=_run("cmd_bench"))
     ev.set_defaults(func=_run("cmd_eval_suite"))

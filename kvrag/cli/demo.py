@@ -8,7 +8,7 @@ import sys
 
 def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="the Streamlit demo: ask, compare with Full Attention, see what was recomputed")
-    demo.add_argument("--port", type=int, default=8501)
+    demo.add_argument("--port", type=int, default=8501, help="the port the page is served on")
     demo.add_argument("--address", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     demo.add_argument("--allow-store-host", action="append", default=[], metavar="HOST",
                       help="a non-loopback Redis host the demo's store box may use (repeatable; default: loopback only)")
