@@ -90,11 +90,13 @@ def _flag(q: dict, name: str, url: str) -> bool:
     return value in ("1", "true", "yes")
 
 
-def _quantize(q: dict) -> bool:
-    value = q.get("quantize", ["none"])[0].lower()
-    if value not in ("none", "int8", "0", "1", "false", "true"):
-        raise StoreURLError(f"quantize must be none or int8, got {value!r}")
-    return value in ("int8", "1", "true")
+def _quantize(q: dict) -> str:
+    from .format import storage_of
+
+    try:
+        return storage_of(q.get("quantize", ["none"])[0])
+    except ValueError as exc:
+        raise StoreURLError(str(exc)) from None
 
 
 def _read_mode(q: dict) -> str:

@@ -19,7 +19,10 @@ A reader that hashes as it reads splits the decode: `prepare_entry` (tensor tabl
 fields: no data needed, so it can run once the header is in) and `finish_entry` (the checksum
 comparison, then any deferred fault; int8 is dequantised only from verified bytes).
 
-Optional int8 storage (KIVI-style): keys are quantised per channel (one scale per layer, head and
+Storage precision (`storage_of`): "none" keeps the entry's own dtype (the model's compute dtype: a
+store never widens it); "bf16" keeps a float32 entry as bfloat16 (half the bytes; the same exponent
+range, 8 mantissa bits) and widens it back on read; float16/bfloat16 entries are already at most that
+and are kept as they are. Optional int8 storage (KIVI-style): keys are quantised per channel (one scale per layer, head and
 head-dim channel, over the tokens), values per token (one scale per layer, head and token, over
 the channels). Symmetric, round-to-nearest: every element is within scale/2 = max|group|/254 of
 its original, where the group is that channel (keys) or that token (values).
@@ -138,8 +141,40 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale).to(dtype)
 
 
-def encode_entry(entry: KVEntry, quantize: bool = False, key: MacKey | None = None, name: str = "") -> bytes:
-    """The entry's bytes; with `key`, signed for the store key `name` it is written under."""
+STORAGE = ("none", "bf16", "int8")  # a store's `quantize=` values: the precision entries are kept at
+
+
+def storage_of(quantize: bool | str | None) -> str:
+    """A store's storage precision from its `quantize` setting: False/None/"none", "bf16", True/"int8"."""
+    if quantize is None or quantize is False:
+        return "none"
+    if quantize is True:
+        return "int8"
+    value = str(quantize).lower()
+    if value in ("none", "0", "false", "no", "off"):
+        return "none"
+    if value in ("int8", "1", "true", "yes"):
+        return "int8"
+    if value in ("bf16", "bfloat16"):
+        return "bf16"
+    raise ValueError(f"quantize must be one of {', '.join(STORAGE)}, got {quantize!r}")
+
+
+def stored_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_size: int, quantize: bool | str | None) -> float:
+    """Bytes one token's KV takes in a store at this precision (keys and values, every layer; int8 adds
+    its per-token value scales; the per-channel key scales are amortised over a chunk and left out)."""
+    storage = storage_of(quantize)
+    width = {"none": element_size, "bf16": min(element_size, 2), "int8": 1}[storage]
+    per_token = layers * 2 * kv_heads * head_dim * width
+    if storage == "int8":
+        per_token += layers * kv_heads * 4  # one float32 value scale per layer, head and token
+    return float(per_token + 8)  # + the token id
+
+
+def encode_entry(entry: KVEntry, quantize: bool | str = False, key: MacKey | None = None, name: str = "") -> bytes:
+    """The entry's bytes, kept at the store's precision (`storage_of(quantize)`), never wider than
+    the entry's own dtype; with `key`, signed for the store key `name` it is written under."""
+    storage = storage_of(quantize)
     keys = entry.keys.detach().to("cpu").contiguous()
     values = entry.values.detach().to("cpu").contiguous()
     if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
@@ -147,10 +182,14 @@ def encode_entry(entry: KVEntry, quantize: bool = False, key: MacKey | None = No
     dtype = str(keys.dtype).removeprefix("torch.")
     if dtype not in _DTYPES or values.dtype != keys.dtype:
         raise ValueError(f"unsupported entry dtype {keys.dtype}/{values.dtype}")
-    if quantize:
+    if storage == "bf16" and keys.dtype != torch.float32:
+        storage = "none"  # float16/bfloat16 KV is already two bytes a value: kept as computed
+    if storage == "int8":
         kq, ks = quantize_int8(keys, dim=2)  # per channel: reduce over tokens
         vq, vs = quantize_int8(values, dim=3)  # per token: reduce over channels
         tensors = {"k_q": kq, "k_scale": ks, "v_q": vq, "v_scale": vs}
+    elif storage == "bf16":
+        tensors = {"k": keys.to(torch.bfloat16), "v": values.to(torch.bfloat16)}
     else:
         tensors = {"k": keys, "v": values}
     if entry.token_ids is not None:
@@ -162,7 +201,7 @@ def encode_entry(entry: KVEntry, quantize: bool = False, key: MacKey | None = No
         shape=json.dumps(list(keys.shape)),
         vshape=json.dumps(list(values.shape)),
         dtype=dtype,
-        quant="int8" if quantize else "none",
+        quant=storage,
     )
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict[str, Any] = {"__metadata__": {**meta, "checksum": _BLANK, **({"mac": _MAC_BLANK} if key else {})}}
@@ -357,7 +396,7 @@ def finish_entry(p: PreparedEntry, digest: str, keyed: bool = False) -> KVEntry:
     if p.entry is not None:
         return p.entry
     assert p.fields is not None
-    return _build(p.tensors, p.meta, *p.fields)  # int8: dequantised only now, from verified bytes
+    return _build(p.tensors, p.meta, *p.fields)  # int8/bf16: widened only now, from verified bytes
 
 
 def _fields(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> tuple[list, list, torch.dtype, str]:
@@ -367,7 +406,7 @@ def _fields(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> tuple[lis
         quant = meta["quant"]
     except (KeyError, ValueError):
         raise _corrupt("entry header fields missing or malformed") from None
-    expected = {"k", "v"} if quant == "none" else {"k_q", "k_scale", "v_q", "v_scale"} if quant == "int8" else None
+    expected = {"k", "v"} if quant in ("none", "bf16") else {"k_q", "k_scale", "v_q", "v_scale"} if quant == "int8" else None
     if expected is None or not expected <= set(tensors) or set(tensors) - expected - {"ids"}:
         raise _corrupt("entry tensors do not match its header")
     return shape, vshape, dtype, quant
@@ -377,6 +416,10 @@ def _build(tensors: dict[str, torch.Tensor], meta: dict[str, str], shape: list, 
     try:
         if quant == "none":
             keys, values = tensors["k"], tensors["v"]
+        elif quant == "bf16":
+            if tensors["k"].dtype != torch.bfloat16 or tensors["v"].dtype != torch.bfloat16:
+                raise _corrupt("bf16 entry tensors are not bfloat16")
+            keys, values = tensors["k"].to(dtype), tensors["v"].to(dtype)  # widened back from verified bytes
         else:
             keys = dequantize_int8(tensors["k_q"], tensors["k_scale"], dtype)
             values = dequantize_int8(tensors["v_q"], tensors["v_scale"], dtype)

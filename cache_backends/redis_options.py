@@ -10,7 +10,7 @@
 - `part_bytes` (default 32 MiB, at most 512 MiB, Redis' largest string): larger entries are split.
 - `max_entry_bytes` (default 4 GiB - 1, also the most a manifest can name): larger entries are
   not written, and a stored manifest claiming more is corrupt.
-- `quantize` (`none` or `int8`): int8 storage.
+- `quantize` (`none`, `bf16` or `int8`): the precision entries are stored at.
 
 Passed on to redis-py unchanged: `db`, `username`, `password`, `ssl_cert_reqs`, `ssl_ca_certs`,
 `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`. Any other option, a repeated option or a
@@ -32,7 +32,6 @@ MAX_PART_BYTES = 512 << 20  # Redis' default proto-max-bulk-len
 PASSED_TO_REDIS = ("db", "username", "password", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
                    "ssl_check_hostname")  # fmt: skip
 _SECRET_OPTIONS = ("password",)
-_QUANTIZE = {"none": False, "0": False, "false": False, "int8": True, "1": True, "true": True}
 
 
 class RedisOptionError(StoreError, ValueError):
@@ -107,12 +106,13 @@ _PARSERS = {
 }
 
 
-def _quantize(raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    if str(raw).lower() not in _QUANTIZE:
-        raise RedisOptionError(f"Redis option quantize={raw!r} must be none or int8")
-    return _QUANTIZE[str(raw).lower()]
+def _quantize(raw: Any) -> str:
+    from .format import storage_of
+
+    try:
+        return storage_of(raw)
+    except ValueError:
+        raise RedisOptionError(f"Redis option quantize={raw!r} must be none, bf16 or int8") from None
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class RedisOptions:
     ttl: int | None = None
     part_bytes: int = 32 << 20
     max_entry_bytes: int = MAX_MANIFEST_BYTES
-    quantize: bool = False
+    quantize: bool | str = False  # the storage precision: format.storage_of
 
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> "RedisOptions":

@@ -58,7 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(e.g. --adapter lora5=a.safetensors --methods kvlink:link_tokens=5,model=lora5 --ratios 0)")
 
     ev = sub.add_parser("eval", help="evaluation suites: `eval suite` decides the default on several kinds of data")
-    ev.add_argument("suite", choices=("suite",), help="suite: every set at two answer lengths, the rule applied (docs: Methods, how the default is chosen)")
+    ev.add_argument("suite", choices=("suite", "storage"),
+                    help="suite: every set at two answer lengths, the rule applied (docs: Methods, how the default is chosen); "
+                         "storage: each set answered from float32, bf16 and int8 stores, against float32 storage's answers "
+                         "(the first --lengths value)")
     ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md, suite.json, suite.png")
     ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
     ev.add_argument("--sets", default="sample,facts,facts-one,nq10,facts-long,musique,kv75", help="which sets, comma-separated")
@@ -95,9 +98,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     dc.add_argument("--device", default=None, help="auto (CUDA when present), cuda or cpu")
     dc.set_defaults(func=_run("cmd_bench_decode"))
     bench.set_defaults(func=_run("cmd_bench"))
-    ev.set_defaults(func=_run("cmd_eval_suite"))
+    ev.set_defaults(func=_eval)
     dv.set_defaults(func=_run("cmd_bench_deviation"))
     sb.set_defaults(func=_run("cmd_bench_store"))
+
+
+def _eval(args: argparse.Namespace) -> int:
+    if args.suite == "storage":
+        from kvrag.cli.eval_storage import cmd_eval_storage
+
+        return cmd_eval_storage(args)
+    return _run("cmd_eval_suite")(args)
 
 
 def _run(name: str):

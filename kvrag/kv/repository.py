@@ -21,6 +21,7 @@ from kvrag.cache_backends import FORMAT_VERSION, KVEntry, KVStore, content_key, 
 from kvrag.kv.registry import ChunkRegistry, Resolved
 from kvrag.kv.entry_check import entry_problem, kv_shape
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError
+from kvrag.cache_backends.format import storage_of
 from kvrag.cache_backends.guarded import GuardedStore
 from kvrag.kv.layout import PromptLayout
 from kvrag.model.loading import LoadedModel
@@ -126,7 +127,8 @@ class KVRepository(ChunkRegistry):
     def key(self, kind: str, token_ids: Sequence[int], context: str = "") -> str:
         """The store key of an entry: model, layout, kind, tokens, and everything else its KV
         depends on (storage quantisation, entry format, code version, a similarity entry's context)."""
-        storage = "int8" if getattr(self.store, "quantize", False) else "exact"
+        kept = storage_of(getattr(self.store, "quantize", False))
+        storage = "exact" if kept == "none" else kept
         return content_key(
             self.lm.fingerprint, self.layout.identity, kind, token_ids, KEY_SCHEMA, FORMAT_VERSION, __version__, storage, context
         )
