@@ -41,14 +41,14 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import CorruptEntryError, StoreError, check_key, user_id_digest
+from .base import CorruptEntryError, StoreError, check_key
 from .byte_store import ByteStore, Fetched
+from .disk_index import DiskIndex
 from .disk_map import map_entry
-from .disk_files import SymlinkedFolderError, open_folder, read_small, write_at
+from .disk_files import SymlinkedFolderError, open_folder, write_at
 from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, open_entry_file, read_entry  # noqa: F401 - read_entry: store admin's
 from .format import MAX_HEADER_BYTES, MacKey, parse_header
 from .host import BufferPool
-from .refs import MAX_REF_BYTES, check_ref, ref_value
 
 log = logging.getLogger(__name__)
 _SUFFIX = ".kv"
@@ -105,7 +105,7 @@ def entry_meta(path: str, bound: int | None = None) -> dict[str, str] | None:
         return None
 
 
-class DiskStore(ByteStore):
+class DiskStore(DiskIndex, ByteStore):
     tier = "disk"
 
     def __init__(
@@ -360,61 +360,6 @@ class DiskStore(ByteStore):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-
-    # -- node-id index: one small file per user id, named by the id's hash -----------------------
-    def _ref(self, user_id: str) -> Path:
-        d = user_id_digest(user_id)
-        return self.root / "index" / d[:2] / (d + ".ref")
-
-    def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
-        for uid, key in zip(user_ids, keys):
-            d = user_id_digest(uid)
-            try:
-                fd = open_folder(self._index, (d[:2],), create=True)
-            except SymlinkedFolderError as exc:
-                self._refused(exc)
-                continue
-            assert fd is not None
-            try:
-                write_at(fd, f"{d}.ref", ref_value(self.mac_key, uid, key).encode())
-            finally:
-                os.close(fd)
-
-    def unlink(self, user_ids: Sequence[str]) -> None:
-        """Drop these ids from the node-id index (their entries stay)."""
-        for uid in user_ids:
-            d = user_id_digest(str(uid))
-            self._unlink_in(self._index, (d[:2],), f"{d}.ref")
-
-    def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
-        return [self._resolve_one(user_id_digest(uid)) for uid in user_ids]
-
-    def _resolve_one(self, d: str) -> str | None:
-        """The entry key the ref of id digest `d` names, if it is a small regular file (see the module
-        docstring) and, with a store key, its MAC verifies; else a miss."""
-        where = f"index/{d[:2]}/{d[:16]}….ref"
-        try:
-            fd = open_folder(self._index, (d[:2],))
-        except SymlinkedFolderError:
-            self._bad_ref(where, "in a symlinked shard folder")
-            return None
-        if fd is None:
-            return None
-        try:
-            data = read_small(f"{d}.ref", MAX_REF_BYTES, dir_fd=fd)
-        finally:
-            os.close(fd)
-        if data is None:
-            return None
-        if not isinstance(data, bytes):
-            self._bad_ref(where, data.reason)
-            return None
-        ref = check_ref(data, self.mac_key, d)
-        if ref.status == "malformed":
-            self._bad_ref(where, "not a ref (no store key in it)")
-        elif ref.served is None:
-            self._unverified_ref(d, ref.status)
-        return ref.served
 
     def _sample_headers(self, limit: int) -> list[dict[str, str]]:
         """Up to `limit` entries' metadata, from their headers (non-blocking opens, regular files only)."""

@@ -35,7 +35,7 @@ import time
 from urllib.parse import unquote, urlsplit
 from typing import Any, Callable, Sequence, TypeVar
 
-from .base import CorruptEntryError, StoreError, check_key, user_id_digest
+from .base import CorruptEntryError, StoreError, user_id_digest
 from .byte_store import ByteStore
 from .format import MAX_HEADER_BYTES, MacKey, parse_header
 from .refs import MAX_REF_BYTES, check_ref, ref_value
