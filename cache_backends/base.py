@@ -83,6 +83,9 @@ class StoreStats:
     errors: int = 0
     evictions: int = 0
     prefetched: int = 0
+    unverified: int = 0  # entries the store key could not verify (no MAC, another key's): misses, kept
+    unverified_refs: int = 0  # id refs the store key could not verify: misses, kept
+    bad_refs: int = 0  # id refs that are no small regular file (a FIFO, a symlink, a device, oversized): misses
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,7 +1,9 @@
 """Shared logic of the stores that keep encoded bytes (disk, Redis): decode, verify, count, evict corrupt.
 
 Both take `key=` (default: `$KVRAG_STORE_KEY`; see format.MacKey): with a key, every entry written
-is signed and every entry read must carry a valid MAC, else it is a logged miss. Both take a bound on
+is signed and every entry read must carry a valid MAC, else it is a miss, counted in `stats().unverified`
+and warned about once, but never deleted: it may be another writer's genuine data (see trust.py). Damage
+(a bad checksum without a key, an unreadable header) is still a logged miss that deletes the entry. Both take a bound on
 an entry's size (`limit_entry_bytes`, set by the engine from its model) that a read checks before it
 allocates, maps or decodes anything.
 """
@@ -15,7 +17,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .base import CorruptEntryError, KVEntry, StoreStats, check_key
-from .format import MacKey, StaleEntryError, decode_entry, encode_entry, mac_key
+from .format import MacKey, StaleEntryError, UnverifiedEntryError, decode_entry, encode_entry, mac_key
+from .trust import HINT, WarnOnce, count_unverified
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class ByteStore:
         self.entry_limit: int | None = None  # bytes; see limit_entry_bytes
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self._warn = WarnOnce()
 
     def limit_entry_bytes(self, n: int | None) -> None:
         """Refuse any entry over `n` bytes as a logged miss, checked before a read allocates or maps
@@ -84,7 +88,10 @@ class ByteStore:
         name = self.tier or type(self).__name__.removesuffix("Store").lower()
         out: list[KVEntry | None] = []
         for key, (entry, nbytes) in zip(keys, self._fetch_many(keys)):
-            if isinstance(entry, CorruptEntryError):
+            if isinstance(entry, UnverifiedEntryError):
+                self._unverified_entry(key, entry)
+                entry = None
+            elif isinstance(entry, CorruptEntryError):
                 if isinstance(entry, StaleEntryError):
                     log.info("dropping cache entry %s… of an older format: %s", key[:12], entry)
                 else:
@@ -103,6 +110,50 @@ class ByteStore:
                 entry.tier = name
             out.append(entry)
         return out
+
+    def _unverified_entry(self, key: str, exc: UnverifiedEntryError) -> None:
+        """A keyed read met an entry its key cannot verify: a miss, counted, warned about once, kept."""
+        with self._lock:
+            self._stats.unverified += 1
+        count_unverified(entries=1)
+        self._warn("entry", "store %s holds entries its key cannot verify (%s… : %s); they are misses, never "
+                   "served and never deleted: %s", self.url, key[:12], exc, HINT)
+
+    def _unverified_ref(self, digest: str, status: str) -> None:
+        """A keyed resolve met an id ref its key cannot verify: a miss, counted, warned about once, kept."""
+        with self._lock:
+            self._stats.unverified_refs += 1
+        count_unverified(refs=1)
+        self._warn("ref", "store %s holds id refs its key cannot verify (ref %s…: %s); those ids are misses, "
+                   "never served: %s", self.url, digest[:12], status, HINT)
+
+    def _bad_ref(self, where: str, reason: str) -> None:
+        """An id ref that is no small regular file: a miss, logged (`kvrag store gc` removes it)."""
+        with self._lock:
+            self._stats.bad_refs += 1
+        log.warning("id ref %s is %s: a miss (`kvrag store gc` removes it)", where, reason)
+
+    def warn_unsigned(self, limit: int = 256) -> int:
+        """On opening a keyed store: look at up to `limit` entry headers and warn once if some carry no
+        MAC (written without the key), so an operator learns at start-up, not from misses. Returns how
+        many of those seen are unsigned."""
+        if self.mac_key is None:
+            return 0
+        try:
+            metas = self._sample_headers(limit)
+        except Exception as exc:  # noqa: BLE001 - a look at start-up never fails the open
+            log.debug("could not look at %s's entries at start-up: %s", self.url, exc)
+            return 0
+        unsigned = sum(1 for m in metas if "mac" not in m)
+        if unsigned:
+            self._warn("open", "store %s: %d of the %d entries looked at%s carry no MAC (written without the store "
+                       "key); a reader with the key treats them as misses and keeps them: %s",
+                       self.url, unsigned, len(metas), "" if len(metas) < limit else " (the first)", HINT)
+        return unsigned
+
+    def _sample_headers(self, limit: int) -> list[dict[str, str]]:
+        """The metadata of up to `limit` entries, read from their headers only (per backend)."""
+        return []
 
     def put(self, key: str, entry: KVEntry) -> None:
         data = encode_entry(entry, quantize=self.quantize, key=self.mac_key, name=check_key(key))

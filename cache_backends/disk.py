@@ -19,7 +19,14 @@ both leave a complete entry. A read touches the file's mtime (at most once a min
 Size cap: `DEFAULT_MAX_BYTES` (20 GiB) unless given (`max_bytes=None`, or `?max_bytes=none` in the
 URL, means no cap). Temp files count toward it; temp files older than `STALE_TEMP_S` (1 hour) are
 writers that died mid-write and are deleted when the store is opened (`temp_cleaned` counts them).
-An overwrite counts the new size in place of the old.
+An overwrite counts the new size in place of the old. Writes go through shard folders opened without
+following a symlink (disk_files): a symlinked shard folder under `entries/` or `index/` is refused with a
+logged warning (the write is skipped), so nothing lands outside the store, past its cap.
+
+Node-id index: one small file per id, `index/<xx>/<sha256(id)>.ref`, holding the entry key (signed with
+the store key when there is one: refs.py). A ref is read like an entry is opened (O_NOFOLLOW,
+O_NONBLOCK, a regular file, at most `MAX_REF_BYTES`): a FIFO, a symlink, a device or an oversized file
+there is a logged miss (`stats().bad_refs`), never a hang or a large read; `kvrag store gc` removes it.
 """
 
 from __future__ import annotations
@@ -32,11 +39,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from .base import StoreError, check_key, user_id_digest
+import numpy as np
+
+from .base import CorruptEntryError, StoreError, check_key
 from .byte_store import ByteStore, Fetched
+from .disk_index import DiskIndex
 from .disk_map import map_entry
+from .disk_files import SymlinkedFolderError, open_folder, write_at
 from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, open_entry_file, read_entry  # noqa: F401 - read_entry: store admin's
-from .format import MacKey
+from .format import MAX_HEADER_BYTES, MacKey, parse_header
 from .host import BufferPool
 
 log = logging.getLogger(__name__)
@@ -75,7 +86,26 @@ def _is_entry_name(name: str) -> bool:
     return True
 
 
-class DiskStore(ByteStore):
+def entry_meta(path: str, bound: int | None = None) -> dict[str, str] | None:
+    """An entry file's header metadata (None: missing, not a regular file, or no readable header)."""
+    opened = open_entry_file(path, bound)
+    if not isinstance(opened[0], int):
+        return None
+    fd = opened[0]
+    try:
+        head = os.pread(fd, 4096, 0)
+        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+        if len(head) < 8 + n <= 8 + MAX_HEADER_BYTES:
+            head = os.pread(fd, 8 + n, 0)
+    finally:
+        os.close(fd)
+    try:
+        return dict(parse_header(np.frombuffer(head, dtype=np.uint8))[0]["__metadata__"])
+    except CorruptEntryError:  # damaged or stale: not this look's business
+        return None
+
+
+class DiskStore(DiskIndex, ByteStore):
     tier = "disk"
 
     def __init__(
@@ -89,11 +119,13 @@ class DiskStore(ByteStore):
         clean_temp: bool = True,
         read: str = "auto",
         key: str | bytes | MacKey | None = None,
+        warn_unsigned: bool = True,
     ) -> None:
         """`read`: "map" (tensors view the file's pages, see disk_map), "copy" (into buffers of the
         process, pinned with `pin`: see disk_read) or "auto": copy when the buffers are pinned, else map.
         `clean_temp=False` leaves stale temp files alone on open (`kvrag store` lists them first).
-        `key`: entries are signed and checked with it (default `$KVRAG_STORE_KEY`; see ByteStore)."""
+        `key`: entries are signed and checked with it (default `$KVRAG_STORE_KEY`; see ByteStore); with
+        one, opening looks at a few entry headers and warns once if some are unsigned (`warn_unsigned`)."""
         super().__init__(quantize=quantize, key=key)
         self.root = Path(root).expanduser()
         self.url = url or f"disk://{self.root}"
@@ -112,6 +144,9 @@ class DiskStore(ByteStore):
         self._pool: ThreadPoolExecutor | None = None
         self.temp_cleaned = self.clean_temp() if clean_temp else 0
         self._size: int | None = None  # running estimate, rescanned when over the cap
+        self._index = str(self.root / "index")
+        if warn_unsigned:
+            self.warn_unsigned()
 
     def _path(self, key: str) -> Path:
         return Path(self._file(key))
@@ -181,16 +216,31 @@ class DiskStore(ByteStore):
         return out
 
     # -- writes and the size cap ------------------------------------------------------------------
+    def _refused(self, exc: SymlinkedFolderError) -> None:
+        log.warning("write refused: %s (the store's size cap counts only its own folders)", exc)
+        with self._lock:
+            self._stats.errors += 1
+
     def _write(self, key: str, data: bytes) -> None:
-        path = self._path(key)
+        name = f"{key}{_SUFFIX}"
         try:
-            old = path.stat().st_size
-        except OSError:
-            old = 0
-        try:
-            atomic_write(path, data)
+            fd = open_folder(self._entries, (key[:2], key[2:4]), create=True)
+        except SymlinkedFolderError as exc:
+            self._refused(exc)
+            return
         except OSError as exc:
-            raise StoreError(f"cannot write {path}: {exc}") from exc
+            raise StoreError(f"cannot write {self._file(key)}: {exc}") from exc
+        assert fd is not None
+        try:
+            try:
+                old = os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
+            except OSError:
+                old = 0
+            write_at(fd, name, data)
+        except OSError as exc:
+            raise StoreError(f"cannot write {self._file(key)}: {exc}") from exc
+        finally:
+            os.close(fd)
         if self.max_bytes is not None:
             with self._lock:
                 if self._size is None:
@@ -202,7 +252,23 @@ class DiskStore(ByteStore):
                 self.evict()
 
     def _remove(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        self._unlink_in(self._entries, (key[:2], key[2:4]), f"{key}{_SUFFIX}")
+
+    def _unlink_in(self, top: str, shards: Sequence[str], name: str) -> None:
+        """Delete `name` in a shard folder, never through a symlinked one (that file is not the store's)."""
+        try:
+            fd = open_folder(top, shards)
+        except SymlinkedFolderError as exc:
+            log.warning("not deleting %s: %s", name, exc)
+            return
+        if fd is None:
+            return
+        try:
+            os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
 
     def _exists(self, key: str) -> bool:
         return self._path(key).exists()
@@ -295,27 +361,15 @@ class DiskStore(ByteStore):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    # -- node-id index: one small file per user id, named by the id's hash -----------------------
-    def _ref(self, user_id: str) -> Path:
-        d = user_id_digest(user_id)
-        return self.root / "index" / d[:2] / (d + ".ref")
-
-    def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
-        for uid, key in zip(user_ids, keys):
-            atomic_write(self._ref(uid), key.encode())
-
-    def unlink(self, user_ids: Sequence[str]) -> None:
-        """Drop these ids from the node-id index (their entries stay)."""
-        for uid in user_ids:
-            self._ref(str(uid)).unlink(missing_ok=True)
-
-    def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
-        out: list[str | None] = []
-        for uid in user_ids:
-            try:
-                out.append(self._ref(uid).read_text().strip() or None)
-            except (FileNotFoundError, NotADirectoryError):
-                out.append(None)
+    def _sample_headers(self, limit: int) -> list[dict[str, str]]:
+        """Up to `limit` entries' metadata, from their headers (non-blocking opens, regular files only)."""
+        out: list[dict[str, str]] = []
+        for e in self._walk():
+            if len(out) >= limit:
+                break
+            meta = entry_meta(e.path, self._entry_bound())
+            if meta is not None:
+                out.append(meta)
         return out
 
     def __repr__(self) -> str:

@@ -76,6 +76,12 @@ class StaleEntryError(CorruptEntryError):
     """A well-formed entry of another format version: a miss, not damage."""
 
 
+class UnverifiedEntryError(CorruptEntryError):
+    """An entry the store key cannot vouch for: it has no MAC (written without the key) or its MAC is
+    another key's (or forged). A keyed reader treats it as a miss but never deletes it: it may be
+    another writer's genuine data (`kvrag store sign` re-signs it, `kvrag store gc --unverified` removes it)."""
+
+
 _BLANK = "0" * 16  # the checksum field while the checksum is computed
 _MAC_BLANK = "0" * 64  # the mac field while the MAC is computed
 KEY_ENV = "KVRAG_STORE_KEY"
@@ -323,10 +329,10 @@ def checksum_start(buf: torch.Tensor | np.ndarray, header: dict[str, Any], start
     if key is None:
         return xxhash.xxh3_64(text)
     if "mac" not in meta:
-        raise _corrupt("entry has no MAC: written without the store key")
+        raise UnverifiedEntryError("entry has no MAC: written without the store key")
     field = _field(str(meta["mac"])[:64], "mac")
     if text.count(field) != 1:
-        raise _corrupt("entry MAC field malformed or ambiguous")
+        raise UnverifiedEntryError("entry MAC field malformed or ambiguous")
     return key.mac(name, text.replace(field, _field(_MAC_BLANK, "mac")))
 
 
@@ -388,7 +394,7 @@ def finish_entry(p: PreparedEntry, digest: str, keyed: bool = False) -> KVEntry:
     MAC: `checksum_start`) matches its header."""
     if keyed:
         if not hmac.compare_digest(digest.encode(), str(p.meta.get("mac", "")).encode("utf-8", "surrogatepass")):
-            raise _corrupt("entry MAC mismatch: not written with this store key")
+            raise UnverifiedEntryError("entry MAC mismatch: not written with this store key")
     elif digest != p.meta.get("checksum"):
         raise _corrupt("entry checksum mismatch")
     if p.error is not None:
@@ -434,3 +440,26 @@ def _build(tensors: dict[str, torch.Tensor], meta: dict[str, str], shape: list, 
         raise _corrupt("entry token ids do not match its length")
     user_meta = {k: v for k, v in meta.items() if k not in _RESERVED}
     return KVEntry(keys=keys, values=values, meta=user_meta, token_ids=ids)
+
+
+def sign_entry_bytes(data: bytes | bytearray | memoryview | torch.Tensor, key: MacKey, name: str) -> bytes:
+    """The same entry signed with `key` for the store key `name`: the data bytes as they are, the header
+    with a fresh MAC and checksum (`kvrag store sign`: a store written without the key, or with another).
+    The entry's checksum must verify first (CorruptEntryError otherwise): only sound data is vouched for,
+    and nothing is dequantised or re-encoded on the way."""
+    buf = as_buffer(data)
+    decode_entry(buf)  # every byte checked against the unkeyed checksum
+    header, start = parse_header(buf)
+    header["__metadata__"] = {**header["__metadata__"], "checksum": _BLANK, "mac": _MAC_BLANK}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if text.count(_field(_BLANK)) != 1 or text.count(_field(_MAC_BLANK, "mac")) != 1:  # pragma: no cover
+        raise CorruptEntryError("entry header would be ambiguous")
+    body = buf.numpy()[start:]
+    m = key.mac(name, text)
+    m.update(body)
+    text = text.replace(_field(_MAC_BLANK, "mac"), _field(m.hexdigest(), "mac"))
+    h = xxhash.xxh3_64(text)
+    h.update(body)
+    text = text.replace(_field(_BLANK), _field(h.hexdigest()))
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    return b"".join([len(text).to_bytes(8, "little"), text, body.tobytes()])

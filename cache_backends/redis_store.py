@@ -22,7 +22,9 @@ with GETRANGE up to the entry bound (`max_entry_bytes`, and the engine's `limit_
 byte, so a value larger than any entry this model writes costs at most that to find out, never its
 whole length; parts likewise, up to the part size the manifest names.
 
-`key=` (default `$KVRAG_STORE_KEY`): entries are signed and checked with it (see format.MacKey).
+`key=` (default `$KVRAG_STORE_KEY`): entries are signed and checked with it (see format.MacKey), and
+so are the id hash's values (refs.py: the entry key and a MAC over the id and the key); with a key, a
+value that does not verify is a counted miss, never served and never deleted.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import time
 from urllib.parse import unquote, urlsplit
 from typing import Any, Callable, Sequence, TypeVar
 
-from .base import CorruptEntryError, StoreError, check_key
+from .base import CorruptEntryError, StoreError, user_id_digest
 from .byte_store import ByteStore
-from .format import MacKey
+from .format import MAX_HEADER_BYTES, MacKey, parse_header
+from .refs import MAX_REF_BYTES, check_ref, ref_value
 from .redis_options import CLUSTER_SCHEMES, RedisOptions, connection_url, redact_url, url_secrets
 
 log = logging.getLogger(__name__)
@@ -104,6 +107,21 @@ def cluster_client(url: str, o: RedisOptions) -> Any:
     )
 
 
+def _head_meta(head: object) -> dict[str, str] | None:
+    """An entry's metadata from its first bytes, if they hold its whole header."""
+    if not isinstance(head, bytes) or len(head) < 8:
+        return None
+    import numpy as np
+
+    n = int.from_bytes(head[:8], "little")
+    if n > MAX_HEADER_BYTES or 8 + n > len(head):
+        return None
+    try:
+        return dict(parse_header(np.frombuffer(head, dtype=np.uint8))[0]["__metadata__"])
+    except CorruptEntryError:
+        return None
+
+
 class RedisStore(ByteStore):
     def __init__(
         self,
@@ -150,6 +168,7 @@ class RedisStore(ByteStore):
         self._backoff: dict[str, float] = {}
         self._warned: set[str] = set()
         self._last_warning: dict[str, float] = {}
+        self.warn_unsigned()
 
     # -- fault handling ---------------------------------------------------------------------------
     def _redact(self, text: object) -> str:
@@ -331,28 +350,64 @@ class RedisStore(ByteStore):
         return bool(self._call("read", lambda: self.client.exists(self._name(key)), 0, self._node(self._name(key))))
 
     def _link(self, user_ids: Sequence[str], keys: Sequence[str]) -> None:
-        """HSET recreates the index if it was lost (FLUSHALL, a restart, eviction)."""
+        """HSET recreates the index if it was lost (FLUSHALL, a restart, eviction). With a store key
+        each value is signed (refs.py)."""
         if user_ids:
-            self._call("index write", lambda: self.client.hset(_INDEX, mapping=dict(zip(user_ids, keys))), None, self._node(_INDEX))
+            mapping = {u: ref_value(self.mac_key, u, k) for u, k in zip(user_ids, keys)}
+            self._call("index write", lambda: self.client.hset(_INDEX, mapping=mapping), None, self._node(_INDEX))
 
     def _resolve(self, user_ids: Sequence[str]) -> list[str | None]:
-        """A lost index, a lost id or a value that is not a store key resolves to None."""
+        """A lost index, a lost id or a value that is not a ref resolves to None; with a store key, so
+        does a value whose MAC does not verify (counted, kept)."""
         if not user_ids:
             return []
         values = self._call("index read", lambda: self.client.hmget(_INDEX, list(user_ids)), [None] * len(user_ids), self._node(_INDEX))
-        return [self._as_key(v) for v in values]
+        out: list[str | None] = []
+        for uid, value in zip(user_ids, values):
+            if value is None:
+                out.append(None)
+                continue
+            d = user_id_digest(uid)
+            ref = check_ref(value, self.mac_key, d) if len(value) <= MAX_REF_BYTES else None
+            if ref is None or ref.status == "malformed":
+                self._bad_ref(f"{_INDEX}[{d[:12]}…]", "not a ref")
+            elif ref.served is None:
+                self._unverified_ref(d, ref.status)
+            out.append(ref.served if ref is not None else None)
+        return out
+
+    def _sample_headers(self, limit: int) -> list[dict[str, str]]:
+        """Up to `limit` entries' metadata from their first bytes (a split entry's first part); a
+        fault is an empty look (the open never waits on a down server beyond its timeouts)."""
+
+        def run() -> list[dict[str, str]]:
+            names: list = []
+            cursor = 0
+            for _ in range(8):  # a few SCAN rounds at most: a large keyspace is not walked at start-up
+                cursor, got = self.client.scan(cursor, match=_PREFIX + "{*}", count=1000)
+                names += got
+                if not cursor or len(names) >= limit:
+                    break
+            names = names[:limit]
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.getrange(n, 0, 4095)
+            out = []
+            for n, head in zip(names, pipe.execute(raise_on_error=False)):
+                if isinstance(head, bytes) and head.startswith(_MANIFEST):
+                    name = n.decode() if isinstance(n, bytes) else n
+                    head = self.client.getrange(name + ":p1", 0, 4095)
+                meta = _head_meta(head)
+                if meta is not None:
+                    out.append(meta)
+            return out
+
+        return self._call("read", run, [], self._node(_INDEX)) if not self.cluster else []
 
     def unlink(self, user_ids: Sequence[str]) -> None:
         """Drop these ids from the node-id index (their entries stay)."""
         if user_ids:
             self._call("index write", lambda: self.client.hdel(_INDEX, *[str(u) for u in user_ids]), None, self._node(_INDEX))
-
-    @staticmethod
-    def _as_key(value: Any) -> str | None:
-        try:
-            return check_key(value.decode("ascii") if isinstance(value, bytes) else value)
-        except (StoreError, UnicodeDecodeError):
-            return None
 
     @property
     def available(self) -> bool:

@@ -10,7 +10,12 @@ growth of the process's peak RSS, and a verdict:
          registered chunk answering differently than before the input (e.g. after an inline chunk
          tried to rebind its id);
   LOST   a registered chunk no longer resolves, or the store no longer holds its KV entry.
-After each input every registered chunk is asked about again and its store entry looked up.
+  HANG   (the store rows) still running after its time limit.
+After each input every registered chunk is asked about again and its store entry looked up. Then the
+store rows of issue #53 (scripts/hostile_store.py): FIFO, /dev/zero and oversized id refs, the admin
+commands beside special files, symlinked shard folders under a cap, a planted ref, unsigned and
+foreign-key entries under a keyed server (a second server, with $KVRAG_STORE_KEY), benchmark cleanup
+of a folder it did not make, and an ingest of a folder holding a FIFO and a blank file.
 
     python scripts/hostile_table.py [--model tiny|bundled] [--out DIR]
 
@@ -41,7 +46,11 @@ import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from kvrag import KVRag, from_model  # noqa: E402
+from kvrag.cache_backends import KEY_ENV  # noqa: E402
 from kvrag.server import ServerSettings, create_app  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hostile_store import StoreCtx, store_rows  # noqa: E402
 
 ORIGINAL = "The Brannoch Line opened to passengers on 4 March 1921 after years of delay."
 HOSTILE = "The Brannoch Line opened on 9 September 1999."
@@ -76,7 +85,7 @@ def tiny_engine(store: str) -> KVRag:
 
 
 class Holdable:
-    """The engine, whose `complete` can be made to wait (to queue requests behind it); counts calls."""
+    """The engine, whose `complete` / `complete_chat` can be made to wait (to queue requests behind it); counts calls."""
 
     def __init__(self, rag: KVRag) -> None:
         self._rag, self.calls = rag, 0
@@ -85,12 +94,18 @@ class Holdable:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rag, name)
 
-    def complete(self, prompt: str, **kwargs: Any) -> Any:
+    def _held(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.hold:
             self.entered.set()
             self.release.wait(60)
-        return self._rag.complete(prompt, **kwargs)
+        return call(*args, **kwargs)
+
+    def complete(self, prompt: str, **kwargs: Any) -> Any:
+        return self._held(self._rag.complete, prompt, **kwargs)
+
+    def complete_chat(self, messages: Any, **kwargs: Any) -> Any:  # what the server calls for plain chat
+        return self._held(self._rag.complete_chat, messages, **kwargs)
 
 
 def start_server(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
@@ -326,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         store = f"disk://{tmp}/kv"
         rag = tiny_engine(store) if args.model == "tiny" else KVRag.from_pretrained(store=store, check=False)
         limit = 2 * rag.lm.max_context + 2000  # a chunk past the context is still within the token limit
-        settings = ServerSettings(max_body_bytes=64 * 1024, max_chunks=4, max_request_tokens=limit, max_new_tokens=8)
+        settings = ServerSettings(max_body_bytes=64 * 1024, max_chunks=4, max_request_tokens=limit, max_new_tokens=8,
+                                  max_concurrency=1, max_queue=8)  # one slot: the queued-clients case queues behind it
         engine = Holdable(rag)
         server, thread, url = start_server(create_app(engine, settings))
         try:
@@ -340,19 +356,42 @@ def main(argv: list[str] | None = None) -> int:
                         raise RuntimeError(f"registered chunk {cid!r} does not answer from its cached KV before any input")
                     ctx.expected[cid] = first
                 rows = [run_case(case, ctx) for case in CASES]
+                rows += keyed_rows(rag, http, Path(tmp), settings, store_lost := [])
         finally:
             server.should_exit = True
             thread.join(10)
     crashes, wrong = sum(row["verdict"] == "CRASH" for row in rows), sum(row["verdict"] == "WRONG" for row in rows)
-    summary = f"inputs tried {len(rows)}, crashes {crashes}, wrong answers {wrong}, lost entries {len(ctx.lost)}"
+    hangs, lost = sum(row["verdict"] == "HANG" for row in rows), len(ctx.lost) + sum(store_lost)
+    summary = f"inputs tried {len(rows)}, crashes {crashes}, hangs {hangs}, wrong answers {wrong}, lost entries {lost}"
     table = render(rows, summary)
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "hostile.md").write_text(table + "\n")
         (args.out / "hostile.json").write_text(json.dumps({"model": args.model, "rows": rows, "inputs": len(rows), "crashes": crashes,
-                                                           "wrong_answers": wrong, "lost_entries": sorted(ctx.lost)}, indent=2) + "\n")
-    return 1 if crashes or wrong or ctx.lost else 0
+                                                           "hangs": hangs, "wrong_answers": wrong, "lost_entries": lost}, indent=2) + "\n")
+    return 1 if crashes or wrong or hangs or lost else 0
+
+
+def keyed_rows(rag: KVRag, http: httpx.Client, tmp: Path, settings: ServerSettings, lost: list[int]) -> list[dict[str, Any]]:
+    """Issue #53's store rows: a second server over a keyed store (same model), beside the first."""
+    key = "hostile-table store key"
+    os.environ[KEY_ENV] = key
+    keyed_root = tmp / "keyed"
+    keyed = KVRag(rag.lm, store=f"disk://{keyed_root}", check=False)
+    server, thread, url = start_server(create_app(keyed, settings))
+    try:
+        with httpx.Client(base_url=url, timeout=60, trust_env=False) as keyed_http:
+            (tmp / "cases").mkdir()
+            sctx = StoreCtx(http, rag, tmp / "kv", tmp / "cases", keyed_http, keyed, keyed_root,
+                            lambda store: KVRag(rag.lm, store=store, check=False), key)
+            rows = store_rows(sctx)
+            lost.append(sctx.lost)
+            return rows
+    finally:
+        os.environ.pop(KEY_ENV, None)
+        server.should_exit = True
+        thread.join(10)
 
 
 if __name__ == "__main__":

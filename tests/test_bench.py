@@ -135,12 +135,14 @@ def test_quick_bench_end_to_end(kvrag_home, tmp_path, capsys):
 def test_a_completed_run_removes_only_its_own_default_store(tmp_path):
     import argparse
 
-    from kvrag.cli.bench_run import drop_default_store
+    from kvrag.cache_backends import DiskStore, content_key
+    from kvrag.cli.bench_run import drop_default_store, run_store
+    from test_backends import entry
 
     for store, keep, kept in ((None, False, False), (None, True, True), ("disk:///elsewhere", False, True)):
         out = tmp_path / f"{store is None}-{keep}"
-        (out / "kv" / "ab").mkdir(parents=True)
-        (out / "kv" / "ab" / "entry").write_bytes(b"x" * 10)
+        run_store(out, "test")  # the run made OUT/kv (issue #53: only a store a run made is removed)
+        DiskStore(out / "kv").put(content_key("e"), entry())
         (out / "records.jsonl").write_text("{}\n")
         drop_default_store(argparse.Namespace(store=store, keep_store=keep), out)
         assert (out / "kv").exists() == kept and (out / "records.jsonl").is_file()

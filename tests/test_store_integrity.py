@@ -126,8 +126,8 @@ def test_a_forged_entry_is_served_without_a_key_and_a_logged_miss_with_one(store
     with caplog.at_level(logging.WARNING):
         assert reader.get(D1) is None
     assert "MAC" in caplog.text
-    assert stores.byte_tier(reader).stats().errors == 1
-    assert not stores.byte_tier(reader).contains(D1)  # deleted, so the engine's recompute replaces it
+    assert stores.byte_tier(reader).stats().unverified == 1  # issue #53: counted, not an error
+    assert stores.byte_tier(reader).contains(D1)  # and kept (it may be a keyless writer's): the engine's recompute replaces it
     assert same(reader.get(D2), d2())  # genuine entries still serve
     reader.put(D1, d1())  # the engine's rewrite
     assert same(stores.open(SECRET).get(D1), d1())
@@ -319,8 +319,10 @@ def test_the_engine_bounds_its_store_by_its_models_largest_entry(lm, tmp_path):
 
 # -- `kvrag store gc` checks the MAC when the store has a key -------------------------------------
 @pytest.mark.parametrize("kind", ["disk", "redis"])
-def test_gc_with_a_key_removes_a_forged_entry_and_keeps_the_signed_ones(kind, tmp_path, redis_url, monkeypatch):
-    """gc read entries with the unkeyed checksum only, so it kept forged entries a keyed reader refuses."""
+def test_gc_with_a_key_lists_an_unsigned_entry_and_removes_it_only_when_asked(kind, tmp_path, redis_url, monkeypatch):
+    """gc read entries with the unkeyed checksum only, so it kept forged entries a keyed reader refuses;
+    issue #53: an unsigned entry may be a keyless writer's genuine data, so plain gc lists it and keeps
+    it, and `gc --unverified` removes it."""
     from kvrag.cache_backends.admin import gc, open_admin
 
     monkeypatch.setenv(KEY_ENV, SECRET)
@@ -332,8 +334,11 @@ def test_gc_with_a_key_removes_a_forged_entry_and_keeps_the_signed_ones(kind, tm
     forger = DiskStore(tmp_path, key="") if kind == "disk" else RedisStore(redis_url, key="")
     forger.put(D1, d1())  # a sound checksum, no MAC
     plan = gc(open_admin(url), dry_run=True)
-    assert [(b["key"], "MAC" in b["problem"]) for b in plan["bad_entries"]] == [(D1, True)]
+    assert plan["bad_entries"] == []
+    assert [(b["key"], "MAC" in b["problem"]) for b in plan["unverified_kept"]] == [(D1, True)]
     gc(open_admin(url))
-    assert signed.get(D1) is None and same(signed.get(D2), d2())
+    assert signed.contains(D1) and signed.get(D1) is None  # kept, never served
+    gc(open_admin(url), unverified=True)
+    assert not signed.contains(D1) and same(signed.get(D2), d2())
     monkeypatch.delenv(KEY_ENV)
-    assert gc(open_admin(url), dry_run=True)["bad_entries"] == []  # without a key, both checksums are sound
+    assert gc(open_admin(url), dry_run=True)["bad_entries"] == []  # without a key, the signed entry is sound

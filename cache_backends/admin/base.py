@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from kvrag.cache_backends import content_key
 from kvrag.cache_backends.base import CorruptEntryError
-from kvrag.cache_backends.format import StaleEntryError, parse_header
+from kvrag.cache_backends.format import StaleEntryError, UnverifiedEntryError, parse_header
 
 HEAD_BYTES = 4096  # first read of an entry: a real header is well under this
 _BATCH = 256  # Redis keys per pipeline
@@ -40,6 +40,20 @@ class Link:
     handle: Any  # what unlink() needs
     age_s: float | None = None
     name: str = ""  # how to show it: the id, or the index file
+    # refs.OK (verified, or no store key), refs.UNSIGNED, refs.MISMATCH, refs.MALFORMED, or "bad: <what>"
+    # for something that is no ref file at all (a FIFO, a symlink, a device, oversized): see refs.py
+    status: str = "ok"
+    digest: str = ""  # sha256 of the id: what a ref's MAC binds (a disk ref's file name)
+
+    @property
+    def bad(self) -> bool:
+        """No reader can use it, with or without a key: not a ref file, or no entry key in it."""
+        return self.status.startswith("bad") or self.status == "malformed" or self.key is None
+
+    @property
+    def unverified(self) -> bool:
+        """A ref the store key cannot vouch for (no MAC, or another key's)."""
+        return self.status in ("unsigned", "mismatch")
 
     def __post_init__(self) -> None:
         self.name = self.name or self.user_id or str(self.handle)
@@ -86,8 +100,25 @@ class StoreAdmin:
         raise NotImplementedError
 
     def verify(self, key: str) -> str | None:
-        """Read the whole entry and check it: None if sound, else the problem."""
+        """Read the whole entry and check it: None if sound, else the problem ("unverified: …" when
+        only the store key's MAC fails and the checksum is sound: see `unverified_or_damaged`)."""
         raise NotImplementedError
+
+    def raw(self, key: str) -> bytes | None:
+        """The entry's bytes as stored (for `sign`)."""
+        raise NotImplementedError
+
+    def rewrite(self, key: str, data: bytes) -> None:
+        """Replace the entry's bytes (atomically, as a put does)."""
+        self.store._write(key, data)
+
+    def sign_link(self, link: Link) -> None:
+        """Rewrite a ref signed with the store key (for `sign`)."""
+        raise NotImplementedError
+
+    @property
+    def mac_key(self) -> Any:
+        return getattr(self.store, "mac_key", None)
 
     def delete(self, key: str) -> None:
         self.store.delete(key)
@@ -122,9 +153,20 @@ class StoreAdmin:
 
 
 def damage_of(entry: object) -> str | None:
-    """What a decoded read says about the entry: "stale: …" (an older format), "corrupt: …", or None (sound)."""
+    """What a decoded read says about the entry: "stale: …" (an older format), "unverified: …" (the
+    store key's MAC fails), "corrupt: …", or None (sound)."""
+    if isinstance(entry, UnverifiedEntryError):
+        return f"unverified: {entry}"
     if isinstance(entry, StaleEntryError):
         return f"stale: {entry}"
     if isinstance(entry, CorruptEntryError):
         return f"corrupt: {entry}"
     return None
+
+
+def unverified_or_damaged(keyed: str | None, unkeyed: Callable[[], object]) -> str | None:
+    """A keyed check's verdict, refined: when only the MAC failed, the entry's unkeyed checksum tells
+    another writer's sound data ("unverified: …", kept by `gc` unless asked) from damage ("corrupt: …")."""
+    if keyed is None or not keyed.startswith("unverified"):
+        return keyed
+    return damage_of(unkeyed()) or keyed

@@ -59,7 +59,7 @@ def _open_disk(url: str) -> DiskStore:
         raise StoreError(f"no store at {path}: the folder does not exist")
     cap = q.get("max_bytes", [""])[0].lower()
     max_bytes = None if cap == "none" else (cb._int(q, "max_bytes", url) if cap else DEFAULT_MAX_BYTES)
-    return DiskStore(path, url=url, max_bytes=max_bytes, threads=1, clean_temp=False)
+    return DiskStore(path, url=url, max_bytes=max_bytes, threads=1, clean_temp=False, warn_unsigned=False)
 
 
 def open_admin(store: str | Any) -> StoreAdmin:

@@ -46,6 +46,13 @@ def store_stats(admin: StoreAdmin) -> dict[str, Any]:
         "stale_entries": sum(1 for e in infos if e.problem and e.problem.startswith("stale")),
         "unreadable_entries": sum(1 for e in infos if e.problem and e.problem.startswith("corrupt")),
         "index_links": len(links),
+        "keyed": admin.mac_key is not None,
+        # with a store key: entries whose header carries no MAC (written without the key; headers only,
+        # so an entry of another key is found by `gc`, which reads each whole)
+        "unsigned_entries": sum(1 for e in infos if e.problem is None and "mac" not in e.meta) if admin.mac_key is not None else 0,
+        "unverified_links": sum(1 for lk in links if lk.unverified),
+        "bad_links": sum(1 for lk in links if lk.bad),
+        "foreign_folders": len(getattr(admin, "foreign_folders", list)()),
         "temp_files": len(temps),
         "temp_bytes": sum(t.nbytes for t in temps),
         "cap": admin.cap(),
@@ -123,35 +130,52 @@ def remove(admin: StoreAdmin, keys: Sequence[str] = (), ids: Sequence[str] = (),
     }
 
 
-def gc(admin: StoreAdmin, dry_run: bool = False, min_age_s: float = STALE_TEMP_S, verify: bool = True) -> dict[str, Any]:
+def gc(admin: StoreAdmin, dry_run: bool = False, min_age_s: float = STALE_TEMP_S, verify: bool = True,
+       unverified: bool = False) -> dict[str, Any]:
     """Delete (or, dry run, list) what no reader can use: temp files / orphan parts older than
     `min_age_s` (dead writers), entries of an older format or failing their checksum (`verify`:
-    every entry is read whole; otherwise only headers), and index links whose entry is gone
-    (links younger than `min_age_s` are kept where the store can tell: an ingest links ids first
-    and writes their entries next)."""
+    every entry is read whole; otherwise only headers), index links whose entry is gone (links
+    younger than `min_age_s` are kept where the store can tell: an ingest links ids first and writes
+    their entries next), and whatever stands where a ref should be and is none (a FIFO, a symlink, a
+    device, an oversized file, a symlinked shard folder: the link, never its target).
+
+    With a store key, entries and refs the key cannot verify but whose checksum is sound (written
+    without the key, or with another) are someone's data: listed, and deleted only with `unverified`."""
     temps = [t for t in admin.temp_files() if t.age_s >= min_age_s]
     infos = list(admin.entries())
     bad: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
     for e in infos:
         problem = e.problem or (admin.verify(e.key) if verify else None)
-        if problem:
+        if problem and problem.startswith("unverified"):
+            (bad if unverified else kept).append({"key": e.key, "bytes": e.nbytes, "problem": problem})
+        elif problem:
             bad.append({"key": e.key, "bytes": e.nbytes, "problem": problem})
     bad_keys = {b["key"] for b in bad}
-    dangling = [lk for lk in admin.links()
-                if (lk.age_s is None or lk.age_s >= min_age_s)
-                and (lk.key is None or lk.key in bad_keys or not admin.exists(lk.key))]
+    links = admin.links()
+    dangling = [lk for lk in links
+                if lk.bad or ((lk.age_s is None or lk.age_s >= min_age_s) and (lk.key in bad_keys or not admin.exists(lk.key)))
+                or (unverified and lk.unverified)]  # fmt: skip
+    gone = {id(lk) for lk in dangling}
+    kept_links = [lk for lk in links if lk.unverified and id(lk) not in gone]
+    folders = getattr(admin, "foreign_folders", list)()
     if not dry_run:
         for t in temps:
             admin.remove_temp(t)
         for b in bad:
             admin.delete(b["key"])
         admin.unlink(dangling)
+        for f in folders:
+            admin.remove_folder_link(f)  # type: ignore[attr-defined]
     return {
         "store": admin.url,
         "dry_run": dry_run,
         "temp_files": [asdict(t) for t in temps],
         "bad_entries": bad,
         "dangling_links": [lk.name for lk in dangling],
+        "symlinked_folders": folders,
+        "unverified_kept": kept,
+        "unverified_links_kept": [lk.name for lk in kept_links],
         "bytes_freed": sum(t.nbytes for t in temps) + sum(b["bytes"] for b in bad),
         "entries_checked": len(infos),
         "verified": verify,
@@ -191,6 +215,13 @@ def format_stats(st: dict[str, Any]) -> str:
     ]
     if st["stale_entries"] or st["unreadable_entries"]:
         lines.append(f"problems   {st['stale_entries']} of an older format, {st['unreadable_entries']} unreadable: `kvrag store gc` removes them")
+    if st.get("bad_links") or st.get("foreign_folders"):
+        lines.append(f"problems   {st['bad_links']} index files that are no ref (FIFO, symlink, device, oversized), "
+                     f"{st['foreign_folders']} symlinked shard folders: `kvrag store gc` removes them (links only)")
+    if st.get("unsigned_entries") or st.get("unverified_links"):
+        lines.append(f"unverified {st['unsigned_entries']} entries without a MAC, {st['unverified_links']} id links the store key "
+                     "cannot verify: misses for a keyed reader, kept; `kvrag store sign` re-signs them, "
+                     "`kvrag store gc --unverified` removes them")
     for title, name in (("by model", "by_model"), ("by layout", "by_layout"), ("by kind", "by_kind")):
         lines.append(f"{title}:")
         for value, g in st[name].items():

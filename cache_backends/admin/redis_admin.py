@@ -6,10 +6,11 @@ from typing import Any, Iterator, Sequence
 
 
 from kvrag.cache_backends import StoreError
-from kvrag.cache_backends.base import CorruptEntryError, check_key
+from kvrag.cache_backends.base import CorruptEntryError, check_key, user_id_digest
 from kvrag.cache_backends.byte_store import decode_fetched
 from kvrag.cache_backends.format import MAX_HEADER_BYTES, header_length
-from kvrag.cache_backends.admin.base import EntryInfo, Link, StoreAdmin, TempFile, damage_of
+from kvrag.cache_backends.refs import MAX_REF_BYTES, check_ref, ref_value
+from kvrag.cache_backends.admin.base import EntryInfo, Link, StoreAdmin, TempFile, damage_of, unverified_or_damaged
 from kvrag.cache_backends.admin.base import _BATCH, HEAD_BYTES, _as_tensor, _header_meta
 
 
@@ -95,28 +96,44 @@ class RedisAdmin(StoreAdmin):
                 meta, problem = _header_meta(_as_tensor(first))
                 yield EntryInfo(key, nbytes, age, meta, problem)
 
+    def _bytes(self, key: str) -> bytes | str | None:
+        """The entry's bytes (parts gathered), None when gone, or the problem ("corrupt: …")."""
+        head = self.client.get(self.rs.RedisStore._name(key))
+        if head is None or not head.startswith(self.rs._MANIFEST):
+            return head
+        try:
+            data = self.store._read_parts(key, *self.rs.parse_manifest(head, self.store.options.max_entry_bytes))
+        except CorruptEntryError as exc:
+            return f"corrupt: {exc}"
+        return "corrupt: a part of this split entry is missing" if data is None else data
+
     def verify(self, key: str) -> str | None:
         # Not RedisStore.get: that deletes a malformed manifest itself, which --dry-run must not.
-        head = self.client.get(self.rs.RedisStore._name(key))
-        if head is None:
-            return None
-        data = head
-        if head.startswith(self.rs._MANIFEST):
-            try:
-                data = self.store._read_parts(key, *self.rs.parse_manifest(head, self.store.options.max_entry_bytes))
-            except CorruptEntryError as exc:
-                return f"corrupt: {exc}"
-            if data is None:
-                return "corrupt: a part of this split entry is missing"
-        entry, _ = decode_fetched(data, self.store.mac_key, key)
-        return damage_of(entry)
+        data = self._bytes(key)
+        if data is None or isinstance(data, str):
+            return data
+        keyed = damage_of(decode_fetched(data, self.store.mac_key, key)[0])
+        return unverified_or_damaged(keyed, lambda: decode_fetched(data, None, key)[0])
+
+    def raw(self, key: str) -> bytes | None:
+        data = self._bytes(key)
+        return data if isinstance(data, bytes) else None
 
     def links(self) -> list[Link]:
         out = []
         for uid, value in self.client.hgetall(self.rs._INDEX).items():
             user_id = uid.decode("utf-8", "surrogatepass") if isinstance(uid, bytes) else uid
-            out.append(Link(user_id, self.rs.RedisStore._as_key(value), uid))
+            digest = user_id_digest(user_id)
+            if len(value) > MAX_REF_BYTES:
+                out.append(Link(user_id, None, uid, status=f"bad: {len(value)} bytes, over the {MAX_REF_BYTES}-byte bound"))
+                continue
+            ref = check_ref(value, self.store.mac_key, digest)
+            out.append(Link(user_id, ref.entry_key, uid, status=ref.status, digest=digest))
         return out
+
+    def sign_link(self, link: Link) -> None:
+        if self.store.mac_key is not None and link.key is not None and link.user_id is not None:
+            self.client.hset(self.rs._INDEX, link.handle, ref_value(self.store.mac_key, link.user_id, link.key))
 
     def unlink(self, links: Sequence[Link]) -> None:
         if links:

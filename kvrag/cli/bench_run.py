@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
+
+from kvrag.cache_backends.disk_cleanup import MARKER, mark_created, remove_created
 
 from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
@@ -49,17 +50,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _bench_defaults(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = args.store or f"disk://{(out / 'kv').resolve()}"
     methods = split_methods(args.methods or "cacheblend,epic,a3,fusionrag,samkv")
     ratios: list[float | str] = [r if r == "auto" else float(r) for r in args.ratios.split(",") if r]
     meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "max_new_tokens": args.max_new_tokens}
     if args.merge:
         return _bench_merge(args, out, meta)
+    if args.mode != "speed" and args.data is None and not args.quick:
+        raise KVRagError("kvrag bench needs --data PATH (a JSONL shaped like shared/data/*.jsonl), or --quick")
+    store = args.store or run_store(out, "kvrag bench")
     if args.mode == "speed":  # one ratio: the one given first, else 0.15 (the issue's reference point)
         given = any(a.split("=", 1)[0] == "--ratios" for a in args.argv)
         return _bench_speed(args, methods, ratios[0] if given and ratios else 0.15, store, meta)
-    if args.data is None and not args.quick:
-        raise KVRagError("kvrag bench needs --data PATH (a JSONL shaped like shared/data/*.jsonl), or --quick")
     examples = load_examples(args.data, n=args.n, seed=args.seed) if args.data else sample_examples(args.n, args.seed)
     settings = make_settings(methods, ratios, similarity=args.similarity)
     adapters = _named_adapters(args.adapter)
@@ -83,16 +84,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_store(out: Path, by: str) -> str:
+    """The URL of the run's own KV store, OUT/kv, marked as made by this run when it creates the folder
+    (cache_backends.disk_cleanup): only a store so marked is removed when the run completes."""
+    kv = out / "kv"
+    if not mark_created(kv, by):
+        what = "a symlink" if kv.is_symlink() else "a folder this run did not create"
+        print(f"kvrag: note: {kv} is {what}: the run uses it as its store and leaves it in place afterwards", file=sys.stderr)
+    return f"disk://{kv.resolve()}"
+
+
 def drop_default_store(args: argparse.Namespace, out: Path) -> None:
     """Remove the run's own KV store (OUT/kv, the default) once the run has completed: it is a cache
     of the chunks' KV, 1-2 GB for a few hundred questions, and a stopped run keeps it to resume from.
-    A store the user named (--store), or --keep-store, is left as it is."""
+    A store the user named (--store), or --keep-store, is left as it is; so is an OUT/kv no run made
+    (no marker; a symlink is never followed). Only the store's own files go, through its walk: what
+    else is there stays, and is named."""
     kv = out / "kv"
-    if args.store or args.keep_store or not kv.is_dir():
+    if args.store or args.keep_store or not (kv.is_dir() or kv.is_symlink()):
         return
-    size = sum(f.stat().st_size for f in kv.rglob("*") if f.is_file())
-    shutil.rmtree(kv, ignore_errors=True)
-    print(f"removed this run's KV store {kv} ({size / 1e9:.2f} GB; --keep-store keeps it)", file=sys.stderr)
+    res = remove_created(kv)
+    if res.refused:
+        print(f"kvrag: left {kv} in place: {res.refused}", file=sys.stderr)
+        return
+    done = "removed" if not res.left else "removed the store files of"
+    print(f"{done} this run's KV store {kv} ({res.removed_files} files, {res.removed_bytes / 1e9:.2f} GB; --keep-store keeps it)",
+          file=sys.stderr)
+    if res.left:
+        shown = ", ".join(res.left[:5]) + (f" and {len(res.left) - 5} more" if len(res.left) > 5 else "")
+        print(f"kvrag: could not remove {len(res.left)} path(s) under {kv} that are not the store's (kept, with {MARKER}): {shown}",
+              file=sys.stderr)
 
 
 def _bench_merge(args: argparse.Namespace, out: Path, meta: dict) -> int:
@@ -162,7 +183,7 @@ def _bench_chat(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = args.store or f"disk://{(out / 'kv').resolve()}"
+    store = args.store or run_store(out, "kvrag bench chat")
     rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype)
     methods = split_methods(args.methods) if args.methods else ["full", rag.default_method]
     data_dir = Path(args.data_dir) if args.data_dir and Path(args.data_dir).is_dir() else None
@@ -206,7 +227,7 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
         verdict = write_suite(results, out, meta)
         print((out / "suite.md").read_text())
         return 0
-    store = args.store or f"disk://{(out / 'kv').resolve()}"
+    store = args.store or run_store(out, "kvrag eval suite")
     rag = KVRag.from_pretrained(args.model, store=store, device=args.device, link_adapter=BASE_WEIGHTS)
     variants = {}
     tuned = args.tuned

@@ -62,7 +62,8 @@ def _ingest_files(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
     """The files to ingest, each read through once before any model loads: a bad file named on the
     command line is an error (exit 2); a bad one found in a folder is reported and skipped (its
     path in the list returned beside the files). A folder's symlinks that lead out of it are not
-    followed without --follow-symlinks (each one named on stderr)."""
+    followed without --follow-symlinks (each one named on stderr). Every file left out is named with
+    why: not text, a FIFO or other special file, only whitespace, an unsupported type (a note)."""
     from kvrag.ingest.documents import SkippedPath, document_files
 
     files: list[Path] = []
@@ -84,13 +85,36 @@ def _ingest_files(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
             else:
                 print(f"kvrag: warning: skipping {problem}", file=sys.stderr)
                 skipped.append(str(f))
+    blank = [f for f in files if _blank(f)]
+    for f in blank:
+        print(f"kvrag: warning: skipping {f}: it holds no text (empty, or only whitespace)", file=sys.stderr)
+        skipped.append(str(f))
+    files = [f for f in files if f not in blank]
+    unsupported = [n for n in walk_notes if n.unsupported]
+    if unsupported:
+        from kvrag.ingest.documents import SUPPORTED_EXTENSIONS
+
+        names = ", ".join(str(n.path) for n in unsupported[:20]) + (f" and {len(unsupported) - 20} more" if len(unsupported) > 20 else "")
+        print(f"kvrag: note: not ingesting {len(unsupported)} file(s) of unsupported types (ingested: "
+              f"{', '.join(SUPPORTED_EXTENSIONS)}): {names}", file=sys.stderr)
     for note in walk_notes:
+        if note.unsupported:
+            continue
         if note.symlink:
             print(f"kvrag: note: not following {note.path}: {note.reason}", file=sys.stderr)
         else:
             print(f"kvrag: warning: skipping {note.path}: {note.reason}", file=sys.stderr)
             skipped.append(str(note.path))
     return list(dict.fromkeys(files)), skipped
+
+
+def _blank(path: Path) -> bool:
+    from kvrag.ingest.documents import is_blank
+
+    try:
+        return is_blank(path)
+    except OSError:
+        return False  # _ingest_chunks reports a file that cannot be read
 
 
 def _file_problem(path: Path) -> str | None:

@@ -1,4 +1,4 @@
-"""`kvrag store stats|ls|rm|gc`: the parser and the command."""
+"""`kvrag store stats|ls|rm|gc|sign`: the parser and the command."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Inspect and tidy a KV store (disk:// or redis://; a tiered:// URL through its disk or Redis tier) "
                     "without loading a model.",
         epilog="examples:\n  kvrag store stats\n  kvrag store ls --kind chunk --limit 20\n"
-               "  kvrag store rm --document notes.md\n  kvrag store gc --dry-run",
+               "  kvrag store rm --document notes.md\n  kvrag store gc --dry-run\n  KVRAG_STORE_KEY=... kvrag store sign",
     )
-    sub = store.add_subparsers(dest="store_command", required=True, metavar="{stats,ls,rm,gc}")
+    sub = store.add_subparsers(dest="store_command", required=True, metavar="{stats,ls,rm,gc,sign}")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--store", default=_default_store(), help="store URL ($KVRAG_STORE, else disk under $KVRAG_HOME/kv)")
@@ -72,6 +72,16 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--min-age", type=nonneg_float, default=STALE_TEMP_S,
                    help="seconds: younger temp files (writers still running) and index links are kept")
     g.add_argument("--headers-only", action="store_true", help="skip reading every entry whole to verify its checksum")
+    g.add_argument("--unverified", action="store_true",
+                   help="with $KVRAG_STORE_KEY: also delete the sound entries and id links the key cannot verify (written "
+                        "without the key, or with another), which are otherwise kept and listed")
+
+    sg = sub.add_parser("sign", help="sign with $KVRAG_STORE_KEY a store written without it (entries and id links)",
+                        formatter_class=Fmt, epilog="example: KVRAG_STORE_KEY=... kvrag store sign --dry-run")
+    common(sg)
+    sg.add_argument("--dry-run", action="store_true", help="only list what would be signed")
+    sg.add_argument("--include-foreign", action="store_true",
+                    help="also re-sign entries and links signed with another key (e.g. a replica configured with another key)")
     store.set_defaults(func=cmd_store)
     return store
 
@@ -158,7 +168,7 @@ def _store_command(args: argparse.Namespace) -> int:
                       "(and their KV, which is then recomputed if asked)", file=sys.stderr)
         return 0 if (res["entries_deleted"] or res["links_removed"]) else 1
     if args.store_command == "gc":
-        res = gc(admin, dry_run=args.dry_run, min_age_s=args.min_age, verify=not args.headers_only)
+        res = gc(admin, dry_run=args.dry_run, min_age_s=args.min_age, verify=not args.headers_only, unverified=args.unverified)
         if args.json:
             print(json.dumps(res), file=out)
         else:
@@ -172,5 +182,25 @@ def _store_command(args: argparse.Namespace) -> int:
                 print(f"  entry {b['key']}  {b['problem']}", file=out)
             for n in res["dangling_links"]:
                 print(f"  link  {n}", file=out)
+            for n in res["symlinked_folders"]:
+                print(f"  link  {n} (a symlinked shard folder: the link only)", file=out)
+            if res["unverified_kept"] or res["unverified_links_kept"]:
+                print(f"kept {len(res['unverified_kept'])} entries and {len(res['unverified_links_kept'])} id links the store key "
+                      "cannot verify (sound, written without the key or with another): `kvrag store sign` re-signs them, "
+                      "`kvrag store gc --unverified` deletes them", file=out)
+        return 0
+    if args.store_command == "sign":
+        from kvrag.cache_backends.admin.signing import sign
+
+        res = sign(admin, include_foreign=args.include_foreign, dry_run=args.dry_run)
+        if args.json:
+            print(json.dumps(res), file=out)
+        else:
+            verb = "would sign" if args.dry_run else "signed"
+            print(f"{verb} {len(res['entries_signed'])} entries and {len(res['links_signed'])} id links in {res['store']}", file=out)
+            for b in res["entries_left"]:
+                print(f"  left  entry {b['key']}  {b['problem']}", file=out)
+            for n in res["links_left"]:
+                print(f"  left  link  {n}  signed with another key (--include-foreign signs it)", file=out)
         return 0
     raise KVRagError(f"unknown store command {args.store_command!r}")  # pragma: no cover - argparse refuses it

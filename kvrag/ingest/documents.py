@@ -44,6 +44,7 @@ __all__ = [
     "count_tokens",
     "document_chunk_ids",
     "document_files",
+    "is_blank",
     "is_text",
     "iter_documents",
     "iter_file_chunks",
@@ -259,6 +260,20 @@ def check_document(path: str | os.PathLike[str]) -> None:
     if p.suffix.lower() == ".jsonl":
         for _ in _jsonl_rows(p):
             pass
+
+
+def is_blank(path: str | os.PathLike[str]) -> bool:
+    """True when the file holds nothing but whitespace (or nothing at all): it gives no chunk, and an
+    ingest names it as skipped rather than passing over it in silence. Reads only until the first
+    character that is not whitespace."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_READ_BLOCK)
+            if decoder.decode(block, final=not block).strip():
+                return False
+            if not block:
+                return True
 
 
 def document_files(

@@ -7,6 +7,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
 
+from kvrag.cache_backends.trust import unverified_counts
 from kvrag.decode.batch import BatchStats
 from kvrag.kv.prefix_cache import PrefixCacheStats
 from kvrag.server.gate import RequestGate
@@ -45,6 +46,11 @@ class ServerMetrics:
             ("kvrag_prefix_cache_bytes", "Bytes of KV held in the exact prefix cache", lambda: prefixes().bytes),
             ("kvrag_prefix_cache_max_bytes", "The exact prefix cache's bound in bytes (0: off)", lambda: prefixes().max_bytes),
             ("kvrag_prefix_cache_evicted", "Entries the exact prefix cache dropped for room since start-up", lambda: prefixes().evicted),
+            # a keyed store's reads it could not verify (no MAC, another key's): misses, kept (kvrag.cache_backends.trust)
+            ("kvrag_store_unverified_entries", "Store entries read since start-up that $KVRAG_STORE_KEY could not verify "
+             "(written without the key or with another): served as misses, never deleted", lambda: unverified_counts()["entries"]),
+            ("kvrag_store_unverified_refs", "Id refs read since start-up that $KVRAG_STORE_KEY could not verify: "
+             "those ids were misses, never served", lambda: unverified_counts()["refs"]),
         ):
             Gauge(name, doc, registry=r).set_function(read)
         self.precomputed = Counter("kvrag_ingested_chunks", "Chunks ingested, by outcome", ["outcome"], registry=r)
