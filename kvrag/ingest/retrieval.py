@@ -277,6 +277,7 @@ class ChunkIndex:
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             vectors = self._embed([c.text for c in batch])
+            self._drop_stale_metadata(batch)
             self._run(lambda coll: coll.upsert(
                 ids=[c.id for c in batch],
                 documents=[c.text for c in batch],
@@ -284,6 +285,16 @@ class ChunkIndex:
                 metadatas=[_simple_metadata(c) for c in batch],  # type: ignore[misc]
             ))
         return len(items)
+
+    def _drop_stale_metadata(self, batch: list[Chunk]) -> None:
+        """Chroma's upsert merges metadata: a key the new chunk lacks would survive from the old one (a
+        replaced chunk would still name the old file as its source). Delete such entries first."""
+        result = self._run(lambda coll: coll.get(ids=[c.id for c in batch], include=["metadatas"]))
+        metas = result.get("metadatas") or [None] * len(result["ids"])
+        new_keys = {c.id: set(_simple_metadata(c)) for c in batch}
+        stale = [i for i, m in zip(result["ids"], metas) if set(m or {}) - new_keys[i]]
+        if stale:
+            self._run(lambda coll: coll.delete(ids=stale))
 
     def _named(self, chunk: Chunk) -> Chunk:
         """The chunk with its file's name relative to the ingested folders recorded (when known)."""
