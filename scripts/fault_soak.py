@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.seconds <= 0 or a.threads <= 0:
         p.error("--seconds and --threads must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("httpx", "urllib3", "filelock"):
+    for noisy in ("httpx", "urllib3", "filelock", "sentence_transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if a.mode == "index":
         from index_soak import passed, run_index_soak
