@@ -195,7 +195,10 @@ async def delete_chunk(chunk_id: str, request: Request) -> dict[str, Any]:
             out["unindexed"] = unindexed
         return out
 
-    out = await in_thread(run)
+    try:
+        out = await in_thread(run)
+    except Exception as exc:  # an unreachable index: a 503 (nothing changed), not a logged 500
+        raise as_api_error(exc) from None
     if out is None:
         raise APIError(404, f"unknown chunk id {chunk_id!r}", "chunk_not_found")
     return out
