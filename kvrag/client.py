@@ -1,9 +1,11 @@
 """The client side of `kvrag ask/ingest --server URL`: talk to a running `kvrag serve` with the
-standard library only, so the CLI needs no HTTP dependency and never loads a model."""
+standard library only, so the CLI needs no HTTP dependency and never loads a model. A server with API
+keys is sent `$KVRAG_API_KEY` as `Authorization: Bearer` (what OpenAI clients send as api_key)."""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -32,7 +34,11 @@ def _open(url: str, path: str, method: str, body: dict[str, Any] | None, timeout
     """The open HTTP response; unreachable servers and error answers as ServerError."""
     full = url.rstrip("/") + path
     data = json.dumps(body).encode("utf-8") if body is not None else None
-    req = urllib.request.Request(full, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("KVRAG_API_KEY", "").strip()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(full, data=data, method=method, headers=headers)
     try:
         return urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as exc:

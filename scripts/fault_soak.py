@@ -2,6 +2,10 @@
 squeezed to a tiny maxmemory and flushed; every answer must equal the fault-free one, none may raise.
 
     python scripts/fault_soak.py --seconds 120 --threads 4 --out soak-out [--model tiny|bundled]
+    python scripts/fault_soak.py --mode index --seconds 60 --threads 2 --out soak-out/index
+
+`--mode index` soaks the shared retrieval index instead (a `chroma run` killed and frozen under two
+replicas: scripts/index_soak.py). The default, `--mode redis`, soaks the Redis KV store:
 
 Loopback only: it starts its own redis-server (`--save '' --appendonly no`) on a free 127.0.0.1 port
 and kills it at the end. Steps:
@@ -404,6 +408,8 @@ def markdown(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["redis", "index"], default="redis",
+                   help="redis: the KV store under faults; index: the shared chroma index under faults (index_soak.py)")
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--out", default="soak-out")
@@ -415,8 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.seconds <= 0 or a.threads <= 0:
         p.error("--seconds and --threads must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("httpx", "urllib3", "filelock"):
+    for noisy in ("httpx", "urllib3", "filelock", "sentence_transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if a.mode == "index":
+        from index_soak import passed, run_index_soak
+
+        return 0 if passed(run_index_soak(a.seconds, a.threads, a.out, a.every)) else 1
     res = run_soak(a.seconds, a.threads, a.out, a.model, FaultPlan(every=a.every, maxmemory=a.maxmemory),
                    part_bytes=a.part_bytes or None)  # fmt: skip
     s = res["summary"]

@@ -402,9 +402,12 @@ def test_non_loopback_bind_warns_about_authentication(rag, monkeypatch, capsys):
     monkeypatch.setattr(runner, "run_beside_home", lambda server: calls.append(server.config))
     runner.serve(ServerSettings(host="0.0.0.0", port=9), rag=rag)
     assert calls and calls[0].host == "0.0.0.0"
-    assert "NO authentication" in capsys.readouterr().err
+    assert "NO API key" in capsys.readouterr().err
     runner.serve(ServerSettings(), rag=rag)
-    assert "NO authentication" not in capsys.readouterr().err and calls[1].host == "127.0.0.1"
+    assert "NO API key" not in capsys.readouterr().err and calls[1].host == "127.0.0.1"
+    runner.serve(ServerSettings(host="0.0.0.0", port=9, api_keys=("sk-secret-key",)), rag=rag)  # keyed: no warning, no key shown
+    err = capsys.readouterr().err
+    assert "NO API key" not in err and "sk-secret-key" not in err and "1 read+write" in err
 
 
 def test_kvrag_serve_runs_the_model_on_its_own_thread_and_stops_cleanly(rag):

@@ -6,11 +6,15 @@ import argparse
 import os
 
 from kvrag.cli.args import DECODE_WEIGHTS_HELP, HelpFormatter, link_adapter_arg, ratio_or_auto
+from kvrag.cli.common import add_index_option
 from kvrag.defaults import DECODE_WEIGHTS, DEFAULT_METHOD, TUNED_METHOD
 from kvrag.server.settings import ServerSettings
 
 EPILOG = """examples:
   kvrag serve --store redis://127.0.0.1:6379/0 --max-queue 32
+  # replicas: one Redis + one `chroma run --path DIR --port 8000` + N of these (keys from the environment)
+  KVRAG_API_KEYS=sk-admin KVRAG_READ_KEYS=sk-app kvrag serve --host 0.0.0.0 \\
+    --store redis://10.0.0.5:6379/0 --index chroma://10.0.0.5:8000/kvrag_chunks
   curl http://127.0.0.1:8600/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "kvrag", "messages": [{"role": "user", "content": "When did the Brannoch Line open?"}]}'
   curl http://127.0.0.1:8600/v1/chat/completions -H 'content-type: application/json' \\
@@ -25,12 +29,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser(
         "serve",
         help="one warm process (model + KV store) answering over HTTP: OpenAI-compatible chat, ingest, metrics",
-        description="Serve kvrag over HTTP. Loopback only unless --host is given; there is no authentication.",
+        description="Serve kvrag over HTTP. Loopback only unless --host is given; no authentication unless keys are "
+                    "given (--api-key, --read-key).",
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
     p.add_argument("--host", default=argparse.SUPPRESS,
-                   help=f"interface to bind (default: {d.host}, this machine only); any other is reachable by others, unauthenticated")
+                   help=f"interface to bind (default: {d.host}, this machine only); any other is reachable by others: give API keys")
     p.add_argument("--port", type=int, default=d.port, help="TCP port")
     p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help="KV store URL (default: disk under $KVRAG_HOME/kv); redis://... to share it between replicas")
     p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
@@ -51,7 +56,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="answer chat requests that bring no kvrag context as plain chat (default: from the top-k chunks of "
                         "the index `kvrag ingest` fills, named in the response's kvrag_sources)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="chunks retrieved for a request that brings none")
-    p.add_argument("--collection", default=d.collection, help="chroma collection under $KVRAG_HOME/chroma to retrieve from")
+    p.add_argument("--collection", default=d.collection, help="chroma collection to retrieve from (under $KVRAG_HOME/chroma, or on --index)")
+    add_index_option(p)
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help="a key that may read and write (chat, models, metrics; POST/DELETE /v1/chunks), sent as "
+                        "`Authorization: Bearer KEY`; repeatable (default: $KVRAG_API_KEYS, comma-separated). With any key, "
+                        "every route but /health needs one. Prefer the variable: a command line is visible to `ps`")
+    p.add_argument("--read-key", dest="read_keys", action="append", default=None, metavar="KEY",
+                   help="a key that may only read (chat, models, metrics: 403 on POST/DELETE /v1/chunks); repeatable "
+                        "(default: $KVRAG_READ_KEYS, comma-separated)")
     p.add_argument("--prefix-cache-mb", type=int, default=d.prefix_cache_mb,
                    help="MB of finished turns' KV kept in memory so a conversation's next turn reads only its new tokens "
                         "(0: off; default: $KVRAG_PREFIX_CACHE_MB, else 1024)")
@@ -86,7 +99,17 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         prefix_cache_mb=args.prefix_cache_mb,
         retrieval_turns=args.retrieval_turns,
         collection=args.collection,
+        index=getattr(args, "index", None),
+        api_keys=_keys(args.api_keys, "KVRAG_API_KEYS"),
+        read_keys=_keys(args.read_keys, "KVRAG_READ_KEYS"),
     )
+
+
+def _keys(given: list[str] | None, variable: str) -> tuple[str, ...]:
+    """Keys from the command line, else from `variable` (comma-separated; blanks ignored)."""
+    if given is not None:
+        return tuple(k.strip() for k in given)
+    return tuple(k.strip() for k in os.environ.get(variable, "").split(",") if k.strip())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

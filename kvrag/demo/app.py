@@ -104,9 +104,14 @@ def load_engine() -> Any:
 
 @st.cache_resource(show_spinner="Opening the vector index ...")
 def open_index(folder: str) -> Any:
-    """The demo's embedded chroma index (one client per folder per process)."""
+    """The demo's chroma index (one client per folder per process): embedded under `folder`, or the
+    shared one `kvrag demo --index` (or $KVRAG_INDEX) names."""
+    import os
+
     from kvrag.ingest.retrieval import ChunkIndex
 
+    if os.environ.get("KVRAG_INDEX"):
+        return ChunkIndex(url=os.environ["KVRAG_INDEX"], collection="kvrag_demo")
     return ChunkIndex(Path(folder) / "chroma", collection="kvrag_demo")
 
 

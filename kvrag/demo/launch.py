@@ -31,8 +31,9 @@ def streamlit_command(port: int = 8501, address: str = "127.0.0.1", headless: bo
     ]
 
 
-def launch_env(allow_store_hosts: Sequence[str] = (), base: dict[str, str] | None = None) -> dict[str, str]:
-    """The demo's environment: `allow_store_hosts` (beyond loopback) become $KVRAG_DEMO_ALLOW_HOSTS."""
+def launch_env(allow_store_hosts: Sequence[str] = (), base: dict[str, str] | None = None, index: str | None = None) -> dict[str, str]:
+    """The demo's environment: `allow_store_hosts` (beyond loopback) become $KVRAG_DEMO_ALLOW_HOSTS;
+    `index` (a shared chroma://host:port/collection) $KVRAG_INDEX."""
     from kvrag.demo.stores import ALLOW_HOSTS_ENV
 
     env = dict(os.environ if base is None else base)
@@ -41,6 +42,11 @@ def launch_env(allow_store_hosts: Sequence[str] = (), base: dict[str, str] | Non
         raise ValueError(f"store hosts are single names or addresses, got {hosts}")
     if hosts:
         env[ALLOW_HOSTS_ENV] = ",".join(hosts)
+    if index:
+        from kvrag.ingest.index_url import parse_index_url
+
+        parse_index_url(index)  # a clear error here, not a page that fails
+        env["KVRAG_INDEX"] = index
     return env
 
 
@@ -50,11 +56,12 @@ def launch(
     headless: bool = True,
     extra: list[str] | None = None,
     allow_store_hosts: Sequence[str] = (),
+    index: str | None = None,
 ) -> int:
     """Run the demo until it exits (Ctrl-C stops it) and return Streamlit's exit code.
 
     `allow_store_hosts`: hosts besides loopback whose Redis the page may open (`kvrag demo --allow-store-host`)."""
-    proc = subprocess.Popen(streamlit_command(port, address, headless, extra), env=launch_env(allow_store_hosts))
+    proc = subprocess.Popen(streamlit_command(port, address, headless, extra), env=launch_env(allow_store_hosts, index=index))
     try:
         return proc.wait()
     except KeyboardInterrupt:  # Streamlit got the same SIGINT: let it shut down cleanly

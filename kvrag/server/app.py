@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from kvrag.decode.batch import decode_batch_stats
 from kvrag.engine import KVRag
 from kvrag.server import chat, chunks
+from kvrag.server.auth import APIKeys, KeyRing
 from kvrag.server.errors import install_error_handlers
 from kvrag.server.gate import RequestGate
 from kvrag.server.limits import LimitsAndCounts
@@ -37,20 +38,24 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(chunks.router)
+    app.add_middleware(APIKeys, keys=KeyRing(settings.api_keys, settings.read_keys))  # inside the counter: refusals are counted
     app.add_middleware(LimitsAndCounts, metrics=metrics, max_body_bytes=settings.max_body_bytes)
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
         """Liveness plus what a client wants to know: the model, the store, uptime, the queue."""
         state: ServerState = request.app.state.kvrag
+        index, counts = await anyio.to_thread.run_sync(index_and_counts, state)  # not the model's thread: health answers during answers
         return {
-            "status": "ok",
+            "status": "ok" if index["state"] in ("ok", "off") else "degraded",
             "version": __version__,
             "model": state.model_name,
             "store": state.store_kind,  # the kind only: no path, host or credentials
+            "index": index,
+            "auth": state.settings.authenticated,
             "uptime_s": round(time.time() - state.started, 3),
             "queue": state.gate.as_dict(),
-            "chunks": await anyio.to_thread.run_sync(chunk_counts, state),  # not the model's thread: health answers during answers
+            "chunks": counts,
         }
 
     @app.get("/metrics")
@@ -68,12 +73,24 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
     return app
 
 
-def chunk_counts(state: ServerState) -> dict[str, int | None]:
-    """What `/health` says of the chunks: `retrievable`, in the server's retrieval index (null: retrieval
-    off); `ids_in_store`, ids the store's node-id index answers (any replica's, any model's sharing the
-    store; null where not cheap to count); `registered_here`, ids this process has seen."""
-    return {
-        "retrievable": len(state.index) if state.index is not None else None,
-        "ids_in_store": state.rag.repo.store_index_size(),
-        "registered_here": len(state.rag.repo.chunks),
-    }
+def index_and_counts(state: ServerState) -> tuple[dict[str, Any], dict[str, int | None]]:
+    """What `/health` says of the retrieval index (`kind`: embedded, chroma:// or null; `state`: ok,
+    off, unreachable or mismatch: no host, path or key) and of the chunks: `retrievable`, in that index
+    (null: retrieval off or the index unreachable); `ids_in_store`, ids the store's node-id index
+    answers (any replica's, any model's sharing the store; null where not cheap to count);
+    `registered_here`, ids this process has seen."""
+    from kvrag.ingest.index_url import EmbeddingMismatchError, IndexUnavailableError
+
+    index: dict[str, Any] = {"kind": None, "state": "off"}
+    retrievable: int | None = None
+    if state.index is not None:
+        index = {"kind": getattr(state.index, "kind", "embedded"), "state": "ok"}
+        try:
+            retrievable = len(state.index)
+        except IndexUnavailableError:
+            index["state"] = "unreachable"
+        except EmbeddingMismatchError:
+            index["state"] = "mismatch"
+    counts = {"retrievable": retrievable, "ids_in_store": state.rag.repo.store_index_size(),
+              "registered_here": len(state.rag.repo.chunks)}
+    return index, counts

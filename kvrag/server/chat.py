@@ -5,7 +5,8 @@ model's chat template (`KVRag.stream_chat`). With `kvrag.chunk_ids` / `kvrag.chu
 from those chunks' cached KV. Without them (what any OpenAI client sends) the server retrieves: the
 top-k chunks of its own index (the one `kvrag ingest` and `POST /v1/chunks` fill) for the recent user
 turns, and the response names this turn's chunks in `kvrag_sources` (and the `X-KVRag-Sources`
-header: their ids). With retrieval off (`kvrag serve --no-retrieval`, or `"kvrag": {"retrieve":
+header: their ids). An index it cannot reach is a 503 (index_unavailable), never an answer without
+the context it should have read. With retrieval off (`kvrag serve --no-retrieval`, or `"kvrag": {"retrieve":
 false}`), or nothing indexed, it is plain chat: the messages alone through the chat template. The engine's stats ride along as
 `kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`.
 """
@@ -102,11 +103,19 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
         found = retrieve() if retrieve is not None else None
         with request_scoped_chunks():
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
-                return Started(rag.stream_chat(conv, chunks=found, options=opts), [c.as_source() for c in found])
+                return Started(rag.stream_chat(conv, chunks=found, options=opts), [source_of(c) for c in found])
             # plain chat through the model's chat template; known chunks a client pasted into its messages are reused
             return Started(rag.complete_chat(conv, options=opts), None if found is None else [])
 
     return start_plain
+
+
+def source_of(chunk: Any) -> dict[str, Any]:
+    """A retrieved chunk as `kvrag_sources` names it: id, title and its file's name relative to the folder
+    ingested (kvrag.ingest.retrieval.public_source), never the server's own path."""
+    from kvrag.ingest.retrieval import public_source
+
+    return {"id": chunk.id, "title": chunk.title, "source": public_source(chunk)}
 
 
 def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Callable[[], list] | None:

@@ -1,4 +1,8 @@
-"""`POST /v1/chunks` (ingest: register and precompute) and `DELETE /v1/chunks/{id}` (forget)."""
+"""`POST /v1/chunks` (ingest: register and precompute) and `DELETE /v1/chunks/{id}` (forget).
+
+Documents have owners: an id already bound to other text (by `kvrag ingest`, or another writer through
+any replica) is not rewritten by a POST unless it says `"replace": true`; both routes need a write key
+when the server has keys (kvrag.server.auth)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from kvrag.kv.repository import check_fits
 from kvrag.server.errors import APIError, as_api_error
 from kvrag.server.schemas import IngestRequest, check_chunk_count, check_token_count
 from kvrag.server.state import ServerState, admit, client_gone, in_thread
+from kvrag.types import Chunk
 
 router = APIRouter()
 log = logging.getLogger("kvrag.server")
@@ -69,11 +74,21 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
         check_token_count(state.count_tokens(texts), state.settings)
         resolved = rag.repo.resolve(chunks, memo=False)  # no text or no tokens: a 400, nothing registered
         check_fits(rag.lm, rag.layout, chunks, resolved.token_ids)  # too long for the context: a 400, likewise
+        held = holdings(state, chunks, resolved.keys)  # before anything is written: an unreachable index is a 503 here
+        taken = [i for i, verdict in held.items() if verdict == OTHER]
+        if taken and not body.replace:
+            raise APIError(409, f"{len(taken)} chunk id(s) already hold other text or another title (ingested by `kvrag ingest` "
+                                f"or another writer): {', '.join(map(repr, taken[:5]))}{' ...' if len(taken) > 5 else ''}. "
+                                'Send "replace": true to replace them (their source and title become this request\'s), '
+                                "or use new ids", "chunk_exists", param="chunks", extra={"conflicts": taken})
         report = rag.precompute(chunks, progress=False)
         indexed = None
         if state.index is not None:  # retrievable by chat requests without context, as `kvrag ingest` leaves them
             missing = set(report.not_stored)  # as kvrag ingest: the index holds only chunks whose KV is stored
-            indexed = state.index.add([c for c in chunks if c.id not in missing], skip_unchanged=True)
+            # a chunk the index holds as it is keeps its entry (an ingested file's source stays its own); a new or
+            # replaced one is written whole: its source and title are this request's, never the old file's
+            fresh = [c for c in chunks if c.id not in missing and held.get(c.id) != SAME]
+            indexed = state.index.add(fresh) if fresh else 0
         return report, indexed
 
     slot = await admit(state, request)  # precompute runs the model: it waits its turn like an answer
@@ -104,6 +119,46 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
     return out
 
 
+SAME, OTHER = "same", "other"
+
+
+def holdings(state: ServerState, chunks: list[Chunk], keys: list[str]) -> dict[str, str]:
+    """What these ids hold already, for the ids that hold anything: SAME (this text and title) or OTHER.
+
+    The retrieval index (shared by every replica when it is a chroma server) is asked first: it has the
+    text, title and source of what `kvrag ingest` and every writer put there. An id it does not hold is
+    looked up in the KV store's node-id index (shared through Redis), which knows the content key.
+    """
+    out: dict[str, str] = {}
+    if state.index is not None:
+        for old in state.index.get([c.id for c in chunks]):
+            new = next(c for c in chunks if c.id == old.id)
+            out[old.id] = SAME if (old.text, old.title) == (new.text, new.title) else OTHER
+    rest = [(c, k) for c, k in zip(chunks, keys) if c.id not in out]
+    for (chunk, key), held in zip(rest, _stored_keys(state.rag, [c.id for c, _ in rest])):
+        if held is not None:
+            out[chunk.id] = SAME if held == key else OTHER
+    return out
+
+
+def _stored_keys(rag: KVRag, ids: list[str]) -> list[str | None]:
+    """The KV entry key each id is bound to: in the store's node-id index (every replica's), else in
+    this process's registry; None for an id nobody bound."""
+    if not ids:
+        return []
+    repo = rag.repo
+    try:
+        found = list(repo.guarded.resolve([f"{repo.namespace}/{i}" for i in ids]))
+    except Exception:  # a store without a node-id index (or unreachable): this process's registry alone
+        found = [None] * len(ids)
+    out: list[str | None] = []
+    for chunk_id, key in zip(ids, found):
+        if not key and chunk_id in repo.chunks:
+            key = repo.resolve([repo.chunks[chunk_id]]).keys[0]
+        out.append(key or None)
+    return out
+
+
 def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
     """Forget one id: drop it from the engine's registry and from the store's node-id index, and
     delete its KV entries unless another id still refers to them (entries are content-keyed; see
@@ -129,17 +184,21 @@ async def delete_chunk(chunk_id: str, request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.kvrag
 
     def run() -> dict[str, Any] | None:
-        out = forget(state.rag, chunk_id)
         if state.index is None:
-            return out
-        unindexed = bool(state.index.remove([chunk_id]))  # no longer retrieved for questions either
+            return forget(state.rag, chunk_id)
+        # the index first: when it cannot be reached the answer is a 503 and nothing has changed
+        unindexed = bool(state.index.remove([chunk_id]))  # no longer retrieved for questions, by any replica
+        out = forget(state.rag, chunk_id)
         if out is None and unindexed:  # only the retrieval index knew it
             out = {"id": chunk_id, "deleted": True, "kv_entries_removed": 0, "kv_entries_kept": 0, "unlinked": False}
         if out is not None:
             out["unindexed"] = unindexed
         return out
 
-    out = await in_thread(run)
+    try:
+        out = await in_thread(run)
+    except Exception as exc:  # an unreachable index: a 503 (nothing changed), not a logged 500
+        raise as_api_error(exc) from None
     if out is None:
         raise APIError(404, f"unknown chunk id {chunk_id!r}", "chunk_not_found")
     return out

@@ -15,11 +15,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError, EmptyRetrievalError, KVRagError
+from kvrag.ingest.index_url import EmbeddingMismatchError, IndexUnavailableError
 from kvrag.server.gate import QueueFullError
 
 log = logging.getLogger("kvrag.server")
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large", 503: "server_busy"}
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
+          409: "invalid_request_error", 413: "request_too_large", 503: "server_busy"}
+INDEX_RETRY_AFTER_S = 2  # what a 503 for an unreachable index suggests (a restarting `chroma run` is back in seconds)
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status counted for a request dropped because its client left
 
 
@@ -59,6 +62,10 @@ def as_api_error(exc: BaseException) -> APIError:
     """The answer for an exception an engine call raised: the engine's message for bad input, else a 500."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, IndexUnavailableError):  # never answered without the context it should have retrieved
+        return APIError(503, str(exc), "index_unavailable", headers={"Retry-After": str(INDEX_RETRY_AFTER_S)}, type="server_error")
+    if isinstance(exc, EmbeddingMismatchError):
+        return APIError(503, str(exc), "index_mismatch", type="server_error")
     if isinstance(exc, ContextTooLongError):
         return APIError(400, str(exc), "context_length_exceeded")
     if isinstance(exc, ChunkNotFoundError):

@@ -192,10 +192,13 @@ def message_texts(messages: Iterable[Message]) -> list[str]:
 
 
 class IngestRequest(BaseModel):
-    """`POST /v1/chunks`: `{"chunks": [{"id", "text", "title"?}, ...]}`."""
+    """`POST /v1/chunks`: `{"chunks": [{"id", "text", "title"?}, ...], "replace"?: false}`. An id that
+    already holds other text or another title (ingested by `kvrag ingest` or another writer) is a 409
+    unless `replace` is true."""
 
     model_config = ConfigDict(extra="forbid")
     chunks: list[ChunkIn] = Field(min_length=1)
+    replace: bool = False
 
 
 def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str, model: Model | None = None) -> AnswerOptions:

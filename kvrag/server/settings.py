@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -47,6 +47,14 @@ class ServerSettings:
     prefix_cache_mb: int | None = None
     # user turns a follow-up retrieves with (its own and the ones before it: kvrag.chat.Conversation.retrieval_query)
     retrieval_turns: int = 2
+    # the retrieval index: None, the embedded one under $KVRAG_HOME/chroma (`collection`); or a shared
+    # `chroma://host:port/collection` (a `chroma run` every replica reads and writes: kvrag.ingest.index_url)
+    index: str | None = None
+    # API keys (kvrag.server.auth): none, no authentication; else every route but /health needs
+    # `Authorization: Bearer <key>`. api_keys may read and write (POST/DELETE /v1/chunks), read_keys only
+    # read (chat, models, metrics). Never shown: not in repr, logs or errors.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    read_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -59,8 +67,16 @@ class ServerSettings:
             raise ValueError("retrieval_turns must be at least 1")
         if self.top_k < 1:
             raise ValueError("top_k must be at least 1")
+        for key in (*self.api_keys, *self.read_keys):
+            if not key or key != key.strip() or any(ord(ch) < 33 or ord(ch) == 127 for ch in key):
+                raise ValueError("an API key must be non-empty printable text without spaces (it travels in an HTTP header)")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio}")
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests must carry a key."""
+        return bool(self.api_keys or self.read_keys)
 
     @property
     def is_loopback(self) -> bool:
