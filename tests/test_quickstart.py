@@ -12,8 +12,19 @@ def test_quickstart_shows_quality_beside_every_speedup(tmp_path, monkeypatch, ca
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     assert main(["quickstart", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if "x vs Full" in line]
+    short = out[out.index("Q: "):out.index("The same question over")]
+    long_ = out[out.index("The same question over"):out.index("Follow-up in the same conversation")]
+    follow = out[out.index("Follow-up in the same conversation"):out.index("(store: ")]
+    rows = [line for line in short.splitlines() if "x vs Full" in line]
     assert len(rows) == 4, out  # full, reuse, the default, the default with the policy off
     assert "reference" in rows[0] and all(("agrees" in r or "DIFFERS" in r) and "KL" in r for r in rows[1:])
     assert "read whole" in rows[2] and "read whole" not in rows[3] and "policy off" in out
     assert "1893" in out.split("[")[1]  # Full Attention's answer to the sample's first question
+    # the long question: ten chunks, the default reuses them (no "read whole"), its quality beside its speed
+    rows = [line for line in long_.splitlines() if "x vs Full" in line]
+    assert "over 10 chunks" in long_ and len(rows) == 2 and "reference" in rows[0]
+    assert ("agrees" in rows[1] or "DIFFERS" in rows[1]) and "KL" in rows[1] and "read whole" not in rows[1]
+    # the follow-up: exact reuse of the kept first turn, the same answer as re-reading everything
+    assert "Who was its chief engineer?" in follow and "the same answer" in follow and "Isobel Carrick" in follow
+    new, total = map(int, follow.split("read ")[1].split(" prompt")[0].split(" new of "))
+    assert new < 40 < 1000 < total

@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     qs = sub.add_parser("quickstart", help="ingest the sample corpus and compare Full Attention with KV reuse")
     add_engine_options(qs)
+    qs.add_argument("--follow-up", default=None,
+                    help=f"a follow-up to --question, asked in the same conversation (default: {FOLLOW_UP!r} after the "
+                         "sample's first question; none after your own unless given)")
     qs.add_argument("--question", default=None,
                     help="your own question about the sample corpus, asked over the retrieved chunks (default: the sample's first)")
 
@@ -207,6 +210,10 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
     return 0
 
 
+LONG_K = 10  # chunks the quickstart's long question reads: a realistic RAG context
+FOLLOW_UP = "Who was its chief engineer?"  # the sample's follow-up to its first question (the Brannoch Line)
+
+
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from kvrag.ingest.documents import load_documents
 
@@ -216,14 +223,41 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     rag.precompute(chunks, progress=True)
     question = args.question or sample_questions()[0]["question"]
     retrieved = common.retrieve(index, question, DEFAULT_K)
-    print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved)")
+    print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved: a short context)")
     for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method), raw=rag.default_method):
         print(line)
-    print(f"(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
+    wide = common.retrieve(index, question, LONG_K)
+    rows = compare_runs(rag, question, wide, [("full", {}, ""), (rag.default_method, {}, "")])
+    print(f"\nThe same question over {len(wide)} chunks ({rows[-1].context_tokens} chunk tokens: approximate reuse applies)")
+    for row in rows:
+        print(row.line())
+    follow = args.follow_up or (FOLLOW_UP if args.question is None else None)
+    if follow:
+        print(f"\nFollow-up in the same conversation: {follow}")
+        print(follow_up_line(rag, question, follow, wide))
+    print(f"\n(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
           "KL = first-token KL divergence from Full Attention, 0 is identical; 'read whole': a context this short (or "
           "chunks that are records of one kind) is answered with Full Attention by every method (--short-context, "
-          "--min-recompute, --records-whole); 'policy off': the method alone)")
+          "--min-recompute, --records-whole); 'policy off': the method alone; the follow-up reads only its new "
+          "tokens after the kept first turn, under Full Attention: exact reuse, the same answer token for token)")
     return 0
+
+
+def follow_up_line(rag, question: str, follow_up: str, chunks) -> str:
+    """Turn two of a conversation under Full Attention, re-reading everything against reading only its new
+    tokens after turn one's kept KV (the exact prefix cache): the speed-up of exact reuse, and the answers."""
+    first = rag.chat([{"role": "user", "content": question}], chunks=chunks, method="full", prefix_cache=False)
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": follow_up}]
+    rag.chat(turns, chunks=chunks, method="full", prefix_cache=False)  # warm-up, untimed
+    reread = rag.chat(turns, chunks=chunks, method="full", prefix_cache=False)
+    rag.chat(turns[:1], chunks=chunks, method="full")  # turn one again, now kept
+    kept = rag.chat(turns, chunks=chunks, method="full")  # timed cold: one-time costs count against it
+    same = "the same answer" if kept.text == reread.text else "DIFFERS"
+    speedup = reread.stats.ttft_s / max(kept.stats.ttft_s, 1e-9)
+    return (f"[{'full, turn one kept':>28}] {kept.text}\n{'':31}TTFT {kept.stats.ttft_s * 1000:.0f} ms, {speedup:.1f}x vs "
+            f"re-reading ({reread.stats.ttft_s * 1000:.0f} ms); {same}; read {kept.stats.prompt_tokens - kept.stats.prefix_hit_tokens} "
+            f"new of {kept.stats.prompt_tokens} prompt tokens")
 
 
 RAW = {"short_context": 0, "min_recompute": 0, "records_whole": False}  # the read-whole policies off: what a method does alone
