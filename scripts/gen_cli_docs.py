@@ -26,18 +26,23 @@ def walk(parser: argparse.ArgumentParser, path: list[str], summary: str = "") ->
 
 
 def help_texts() -> list[tuple[str, str, str]]:
-    """(`kvrag ...` command, its one-line help, its --help text) for every command, as a terminal 100 columns wide shows it."""
+    """(`kvrag ...` command, its one-line help, its --help text) for every command, as a terminal 100
+    columns wide shows it, and as a user with no `KVRAG_*` variable set sees it: defaults read from the
+    environment (`--store`'s `disk://$KVRAG_HOME/kv`, `$KVRAG_INDEX`, ...) never show the machine that
+    built the page (its home folder, its store)."""
     from kvrag.cli.app import _parser
 
-    old = os.environ.get("COLUMNS")
+    saved = {k: v for k, v in os.environ.items() if k.startswith("KVRAG_") or k == "COLUMNS"}
+    for k in saved:
+        os.environ.pop(k)
     os.environ["COLUMNS"] = "100"  # argparse wraps to $COLUMNS: a fixed width gives the same page everywhere
+    os.environ["KVRAG_HOME"] = "$KVRAG_HOME"  # kvrag_home() as the page names it, not this machine's folder
     try:
         return [(" ".join(path), summary, sub.format_help()) for path, summary, sub in walk(_parser(), ["kvrag"])]
     finally:
-        if old is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = old
+        for k in ("COLUMNS", "KVRAG_HOME"):
+            os.environ.pop(k, None)
+        os.environ.update(saved)
 
 
 def cli_reference() -> str:

@@ -166,3 +166,46 @@ def test_readme_links_resolve():
     text = README.read_text(encoding="utf-8")
     for target in re.findall(r"\]\(((?!https?:)[^)#\s]+)(?:#[^)]*)?\)", text):
         assert (ROOT / target).exists(), f"README.md links to a missing {target}"
+
+
+# -- examples a newcomer copies ---------------------------------------------------------------------
+_PY_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+@pytest.mark.parametrize("where,text", user_texts(), ids=[w for w, _ in user_texts()])
+def test_examples_never_ingest_the_projects_own_docs(where, text):
+    """`kvrag ingest docs/` typed in a clone ingests this project's docs folder: examples name a folder of the user's."""
+    hits = [ln for ln in text.splitlines() if re.search(r"\bkvrag ingest\s+(?:\./)?docs/?(?:\s|$)", ln)]
+    assert not hits, f"{where}: {hits}"
+
+
+def _unterminated_streams(code: str) -> list[str]:
+    """Lines printing a streamed piece with end="" whose loop is not followed by a print() (the shell prompt
+    would then start on the answer's line)."""
+    lines = code.splitlines()
+    bad = []
+    for i, line in enumerate(lines):
+        if 'end="")' not in line and "end='')" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        after = next((ln for ln in lines[i + 1:] if ln.strip() and len(ln) - len(ln.lstrip()) < indent), "")
+        if after.strip() != "print()":
+            bad.append(line.strip())
+    return bad
+
+
+def test_unterminated_stream_pattern():
+    assert _unterminated_streams('for p in s:\n    print(p, end="")\nprint(1)\n')
+    assert _unterminated_streams('for p in s:\n    print(p, end="")\n')
+    assert not _unterminated_streams('for p in s:\n    print(p, end="")\nprint()\nprint(1)\n')
+
+
+@pytest.mark.parametrize("where,text", user_texts(), ids=[w for w, _ in user_texts()])
+def test_streamed_examples_end_with_a_newline(where, text):
+    bad = [b for m in _PY_BLOCK.finditer(text) for b in _unterminated_streams(m.group(1))]
+    assert not bad, f"{where}: add a print() after the loop of {bad}"
+
+
+def test_cli_reference_names_no_machine_path():
+    page = _load(ROOT / "scripts" / "gen_cli_docs.py", "gen_cli_docs").cli_reference()
+    assert str(Path.home()) not in page and "disk://$KVRAG_HOME/kv" in page
