@@ -47,7 +47,11 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the data order and initialisation")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="the longest example in tokens: trailing passages that are not the gold one are dropped to fit")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop and save after this long")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop and save after this long (one piece of a run trained in pieces: --resume continues it)")
+    p.add_argument("--stop-at-step", type=int, default=None, metavar="STEP",
+                   help="stop and save once the run reaches optimizer step STEP; unlike --max-steps the schedule keeps "
+                        "its length, so --resume continues the same run")
     p.add_argument("--fit-schedule", action="store_true",
                    help="with --max-minutes: time the first steps, then shorten the schedule (warm-up, cosine decay) "
                         "so it ends inside the budget; the run then sees fewer rows than planned (the summary says how many)")
@@ -71,6 +75,11 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="distill: share of examples that continue a row's text instead of answering its question (default %(default)s)")
     p.add_argument("--teacher-cache", action="store_true",
                    help="distill: also keep the teacher's targets in OUT/teacher/ (~6 MB an example at full vocabulary)")
+    p.add_argument("--teacher-only", action="store_true",
+                   help="distill: only compute the teacher's targets of the run's remaining steps into OUT/teacher "
+                        "(batched; skips those there; --max-minutes ends it), for later pieces run with --teacher-cache")
+    p.add_argument("--teacher-batch", type=int, default=d.teacher_batch,
+                   help="distill, --teacher-only: prompts per batched teacher generation (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_links)
     return p
@@ -101,6 +110,7 @@ def cmd_train_links(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         max_tokens=args.max_tokens,
         max_minutes=args.max_minutes,
+        stop_at=args.stop_at_step,
         fit_schedule=args.fit_schedule,
         device=args.device,
         dtype=args.dtype,
@@ -117,7 +127,17 @@ def cmd_train_links(args: argparse.Namespace) -> int:
         ce_weight=args.ce_weight,
         continue_share=args.continue_share,
         teacher_cache=args.teacher_cache,
+        teacher_only=args.teacher_only,
+        teacher_batch=args.teacher_batch,
     )
+    if cfg.teacher_only:
+        from kvrag.training.ahead import precompute_teacher  # torch, only once the command runs
+
+        ahead = precompute_teacher(cfg)
+        print(f"teacher targets: steps {ahead.from_step}-{ahead.to_step} of {ahead.end_step} on disk, {ahead.generated} generated "
+              f"in {ahead.seconds / 60:.1f} min{'' if ahead.complete else ' (stopped at --max-minutes: run again to go on)'}",
+              file=sys.stderr)
+        return 0
     from kvrag.training.loop import train  # torch, only once the command runs
 
     result = train(cfg)
@@ -125,7 +145,7 @@ def cmd_train_links(args: argparse.Namespace) -> int:
     last = result.losses[-1] if result.losses else float("nan")
     print(
         f"adapter: {result.adapter_path}  steps: {result.steps}  loss {first:.4f} -> {last:.4f}  "
-        f"({result.seconds / 60:.1f} min{', stopped at --max-minutes' if result.stopped_early else ''})",
+        f"({result.seconds / 60:.1f} min{', this piece stopped early: --resume goes on' if result.stopped_early else ''})",
         file=sys.stderr,
     )
     return 0

@@ -40,7 +40,8 @@ warm-up and cosine decay, fixed seeds; a checkpoint (safetensors + JSON only) ev
 The same command runs on the CPU for the bundled model and on CUDA for bigger ones.
 
 Modules: `config` (TrainConfig), `data` (rows, examples), `passes` (context KV, the pass, the loss),
-`distill` (objective distill: the teacher, its cached targets, the KL),
+`distill` (objective distill: the teacher, its cached targets, the KL), `ahead` (`--teacher-only`: the
+schedule's teacher targets computed ahead, for a run trained in pieces),
 `trainables` (model preparation, adapter export, lr schedule, optimizer state), `loop` (checkpoints,
 `train()`); the command is `kvrag.cli.train` (`kvrag train-links` / `python -m kvrag.train`). `kvrag.train` re-exports them.
 """

@@ -39,7 +39,8 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 25
     max_tokens: int = 2048  # longest example; trailing non-gold passages are dropped to fit
-    max_minutes: float | None = None  # stop (and save) after this long
+    max_minutes: float | None = None  # stop (and save) after this long: one piece of a run trained in pieces
+    stop_at: int | None = None  # stop (and save) once the run reaches this optimizer step; the schedule keeps its length
     fit_schedule: bool = False  # with max_minutes: once a few steps are timed, end the cosine schedule inside the budget
     device: str = "auto"
     dtype: str = "auto"
@@ -58,6 +59,8 @@ class TrainConfig:
     ce_weight: float = 0.0  # distill: + this times the cross-entropy of the teacher's tokens
     continue_share: float = 0.5  # distill: share of examples that continue a row's text instead of answering its question
     teacher_cache: bool = False  # distill: also keep teacher targets in OUT/teacher/ (safetensors; ~6 MB an example at full vocabulary)
+    teacher_only: bool = False  # distill: only compute the schedule's teacher targets into OUT/teacher (implies teacher_cache)
+    teacher_batch: int = 32  # distill, teacher_only: prompts per batched teacher generation
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,6 +75,12 @@ class TrainConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.teacher_tokens < 1 or self.teacher_topk < 0 or self.ce_weight < 0 or not 0 <= self.continue_share <= 1:
             raise ValueError("teacher_tokens >= 1, teacher_topk >= 0, ce_weight >= 0 and 0 <= continue_share <= 1 are required")
+        if (self.stop_at is not None and self.stop_at < 0) or self.teacher_batch < 1:
+            raise ValueError("stop_at >= 0 and teacher_batch >= 1 are required")
+        if self.teacher_only:
+            if self.objective != "distill":
+                raise ValueError("teacher_only needs objective 'distill' (only it has a teacher)")
+            self.teacher_cache = True  # the targets' only destination
 
     def resume_key(self) -> dict[str, Any]:
         """What must not change between a run and its resumption."""

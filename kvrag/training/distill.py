@@ -74,14 +74,17 @@ class TeacherTargets:
     index: torch.Tensor | None = None  # [T, k] vocabulary ids of the kept log-probs (top-k); None: the full vocabulary
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """As kept on disk: the top-k ids as int32 (half int64's bytes: an epoch's top-k targets then
+        fit the few MB a lent machine's call carries back), read back as int64."""
         out = {"tokens": torch.tensor(self.tokens, dtype=torch.long), "logp": self.logp.contiguous()}
         if self.index is not None:
-            out["index"] = self.index.contiguous()
+            out["index"] = self.index.to(torch.int32).contiguous()
         return out
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "TeacherTargets":
-        return cls([int(x) for x in t["tokens"].tolist()], t["logp"], t.get("index"))
+        index = t.get("index")
+        return cls([int(x) for x in t["tokens"].tolist()], t["logp"], None if index is None else index.long())
 
 
 def compress(logp: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -218,24 +221,44 @@ class Teacher:
                 found[key] = TeacherTargets.from_tensors(load_file(str(path)))
             else:
                 missing[key] = ids
-        if missing:
-            with base_weights(self.model) as base:
-                made = generate_targets_many(base, list(missing.values()), self.n_tokens, self.eos, self.topk)
-            self.generated += len(made)
-            for key, target in zip(missing, made):
-                found[key] = target
-                path = self._path(key)
-                if path is not None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_suffix(".tmp")
-                    save_file(target.tensors(), str(tmp))
-                    tmp.replace(path)
+        found.update(self._generate(missing))
         for key, target in found.items():
             self.memory[key] = target
             self.memory.move_to_end(key)
         while len(self.memory) > max(MEMORY_ENTRIES, len(found)):  # a whole step's targets stay until its micro-batches ask
             self.memory.popitem(last=False)
         return [found[key] for key, _ in keyed]
+
+    def ensure(self, examples: Sequence[Example]) -> int:
+        """Generate and keep on disk the targets of those examples OUT/teacher lacks (none is read
+        back: a teacher-only pass over a schedule spends its time on the missing ones alone); returns
+        how many were generated."""
+        if self.cache_dir is None:
+            raise ValueError("Teacher.ensure keeps targets on disk: give the teacher a cache_dir")
+        missing: dict[str, list[int]] = {}
+        for ids in map(teacher_prompt_ids, examples):
+            key = self.key(ids)
+            path = self._path(key)
+            if path is not None and not path.is_file():
+                missing[key] = ids
+        return len(self._generate(missing))
+
+    def _generate(self, missing: dict[str, list[int]]) -> dict[str, TeacherTargets]:
+        """The targets of `missing` (key -> prompt ids), generated together and written to OUT/teacher."""
+        if not missing:
+            return {}
+        with base_weights(self.model) as base:
+            made = generate_targets_many(base, list(missing.values()), self.n_tokens, self.eos, self.topk)
+        self.generated += len(made)
+        out = dict(zip(missing, made))
+        for key, target in out.items():
+            path = self._path(key)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                save_file(target.tensors(), str(tmp))
+                tmp.replace(path)  # atomic: a piece cut off mid-write leaves no half file behind
+        return out
 
     def _path(self, key: str) -> Path | None:
         """Where OUT/teacher keeps these targets (None: kept in memory only)."""

@@ -71,6 +71,36 @@ def total_steps(n: int, cfg: TrainConfig) -> int:
     return max(1, math.ceil(cfg.epochs * n / (cfg.batch_size * cfg.grad_accum)))
 
 
+def read_state(out: Path) -> dict[str, Any] | None:
+    """OUT/checkpoint/state.json, or None when the run has no checkpoint yet."""
+    path = out / "checkpoint" / "state.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def check_resume_key(out: Path, state: dict[str, Any], cfg: TrainConfig) -> None:
+    """Refuse a checkpoint written under other settings (another data order, another teacher...)."""
+    if state.get("key") != json.loads(json.dumps(cfg.resume_key())):
+        raise ValueError(f"{out}/checkpoint was written by a run with other settings: {state.get('key')}")
+
+
+def schedule_total(state: dict[str, Any] | None, planned: int) -> int:
+    """The schedule's length for a run resumed from `state`: the one it was saved with (which
+    --fit-schedule may have shortened), so the learning rate of the next piece continues the same
+    warm-up/cosine curve; a new --max-steps/--epochs (another plan) starts a new curve from here."""
+    if state is None or "total" not in state or state.get("planned", state["total"]) != planned:
+        return planned
+    return int(state["total"])
+
+
+def piece_over(cfg: TrainConfig, step: int, started: float) -> bool:
+    """Whether this process's piece of the run ends before `step`: --stop-at reached, or
+    --max-minutes spent (counted from this process's start). The run then saves its checkpoint,
+    and --resume continues it at the same step, data position and learning rate."""
+    if cfg.stop_at is not None and step >= cfg.stop_at:
+        return True
+    return cfg.max_minutes is not None and (time.perf_counter() - started) / 60 >= cfg.max_minutes
+
+
 def save_checkpoint(out: Path, state: dict[str, Any], trainables: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor]) -> None:
     """OUT/checkpoint: trainable.safetensors, optimizer.safetensors, state.json; replaced atomically."""
     final = out / "checkpoint"
@@ -166,12 +196,10 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     params = [links] + [p for _, p in named]
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8)
 
-    step, losses, elapsed_before = 0, [], 0.0
-    state_path = out / "checkpoint" / "state.json"
-    if cfg.resume and state_path.exists():
-        state = json.loads(state_path.read_text())
-        if state.get("key") != json.loads(json.dumps(cfg.resume_key())):
-            raise ValueError(f"{out}/checkpoint was written by a run with other settings: {state.get('key')}")
+    step, losses, elapsed_before, generated_before = 0, [], 0.0, 0
+    state = read_state(out) if cfg.resume else None
+    if state is not None:
+        check_resume_key(out, state, cfg)
         saved = load_file(str(out / "checkpoint" / "trainable.safetensors"))
         with torch.no_grad():
             links.copy_(saved["links"].to(device))
@@ -179,9 +207,11 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
                 p.copy_(saved[f"param.{n}"].to(p.device, p.dtype))
         restore_optimizer(opt, params, load_file(str(out / "checkpoint" / "optimizer.safetensors")))
         step, losses, elapsed_before = int(state["step"]), list(state["losses"]), float(state.get("elapsed_s", 0.0))
+        generated_before = int(state.get("teacher_generated", 0))
         log.info("resuming %s at step %d", out, step)
 
-    total = total_steps(len(rows), cfg)
+    planned = total_steps(len(rows), cfg)
+    total = schedule_total(state, planned)
     rag, rotary = None, None
     if cfg.mode == "links":  # frozen model: chunk KV from the engine's store, computed once per passage
         rag = KVRag(lm, store=cfg.store, layout=layout, check=False, link_adapter=None)
@@ -197,6 +227,10 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
             "key": cfg.resume_key(),
             "config": asdict(cfg),
             "elapsed_s": elapsed_before + time.perf_counter() - t_start,
+            "total": total,  # the schedule's length (a fitted one included): the next piece's lr curve
+            "planned": planned,
+            "next_micro_batch": step * cfg.grad_accum,  # the data position: micro_batches() resumes here
+            "teacher_generated": generated_before + (teacher.generated if teacher is not None else 0),
         }
         save_checkpoint(out, state, trainables, optimizer_tensors(opt, params))
         plot_losses(losses, out / "loss.png", ylabel=LOSS_LABELS[cfg.objective])
@@ -212,7 +246,7 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
                                  cfg.max_minutes * 60 - (time.perf_counter() - t_start))
             bar.total = total
             bar.refresh()
-        if cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes:
+        if piece_over(cfg, step, t_start):
             stopped_early = True
             break
         for g in opt.param_groups:
@@ -249,9 +283,10 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     bar.close()
     checkpoint()
     seconds = elapsed_before + time.perf_counter() - t_start
-    unused = () if cfg.objective == "distill" else ("teacher_tokens", "teacher_topk", "ce_weight", "continue_share", "teacher_cache")
+    unused = () if cfg.objective == "distill" else ("teacher_tokens", "teacher_topk", "ce_weight", "continue_share", "teacher_cache",
+                                                   "teacher_only", "teacher_batch")
     header["training"] = {
-        **{k: v for k, v in asdict(cfg).items() if k not in ("out", "progress", "resume", "adapter_out", "store") + unused},
+        **{k: v for k, v in asdict(cfg).items() if k not in ("out", "progress", "resume", "adapter_out", "store", "stop_at") + unused},
         "steps": step,
         "total_steps": total,
         "examples": len(rows),
@@ -265,6 +300,7 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     }
     if teacher is not None:
         header["training"]["teacher_generated"] = teacher.generated  # targets computed by this process (not read from OUT/teacher)
+        header["training"]["teacher_generated_run"] = generated_before + teacher.generated  # by every piece of the run
     adapter = export_adapter(model, links, cfg, header)
     path = save_adapter(cfg.adapter_out or out / "adapter.safetensors", adapter)
     plot_losses(losses, out / "loss.png", ylabel=LOSS_LABELS[cfg.objective])

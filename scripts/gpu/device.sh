@@ -1,60 +1,202 @@
 #!/usr/bin/env bash
-# Run ON the lent GPU machine (the `device` tool's `run`, from the repo root): bash scripts/gpu/device.sh STEP [ARG]
+# Run ON the lent GPU machine (the `device` tool's `run`, from the repo root): bash scripts/gpu/device.sh STEP [ARGS]
 #
-# Why a script: a machine is lent by chance, for 30 minutes of device time, and starts bare. Its
-# Python (3.12, torch 2.11 + CUDA) lacks this checkout's transformers, and a machine goes back 30 s
-# after a call, so each call must set itself up. scripts/gpu/prepare.sh (run here first) puts the
-# wheels and the bundled tokenizer in .gpu/ (~21 MB); every call carries [".gpu"] and may chain steps:
+# A machine is lent by chance, for 15 minutes of device time in all (its start, ~1-2 min, included),
+# starts bare and goes back 30 s after a call. So the work is cut into calls that each set
+# themselves up, write every result under $OUT as it is produced (a call cut off by its limit still
+# returns what it finished), and fit the 15 minutes. scripts/gpu/prepare.sh (run HERE first) fills
+# .gpu/ (wheels, the bundled tokenizer, the commit) and, with --distill, the parcels .gp1 .. .gpN.
 #
-#   bash scripts/gpu/device.sh tests; bash scripts/gpu/device.sh gate; bash scripts/gpu/device.sh store;
-#   bash scripts/gpu/device.sh speed 8b 'host://?pin=1'      (STORE: memory:// | host://?pin=1 | disk | default)
-#   bash scripts/gpu/device.sh speed 8b disk light           (reuse + epic only: fits one call beside others)
-#   bash scripts/gpu/device.sh decode                         (issue #39: 8B decode at 8k + a profile, ~50 s)
-#   bash scripts/gpu/device.sh serve                          (issue #35: the server table, 8B shape; prepare.sh --serve)
+# The chain of one lending (device time; what comes back in $OUT, at most 8 files a call):
 #
-# Issue #34's distilled adapter needs the real bundled model, whose 98 MB GGUF is more than one call
-# carries (64 MiB with the checkout). prepare.sh --distill cuts it into .gg1/.gg2/.gg3 (and packs the
-# training data into .gpu/data); three calls in a row, each inside the 30 s a machine stays warm:
-#   carry [".gpu", ".gg1"]: bash scripts/gpu/device.sh setup && bash scripts/gpu/device.sh stash 1
-#   carry [".gg2"]:         bash scripts/gpu/device.sh stash 2
-#   carry [".gg3"]:         bash scripts/gpu/device.sh stash 3 && bash scripts/gpu/device.sh distill MINUTES
+#   1. carry [".gpu"], timeout_s 480:  bash scripts/gpu/device.sh first               (~8 min with the start)
+#      The command ends by FIRST_BUDGET_S (default 420 s); each step gets its cap or what is left:
+#        setup    ~40 s   wheels + this checkout's kvrag                       -> chain.log (machine, versions, commit)
+#        tests    90 s    every CUDA test                                      -> cuda-tests.log
+#        decode   70 s    8B bf16 decode at 8k (reuse prefill, 256 tokens)      -> decode-8b-8k.md, decode-8b-8k.json
+#        serve    180 s   `kvrag serve`, 8B shape, 1-16 clients                 -> serve.log (as it runs),
+#                                                                                  server_bench.md, server_bench.json
+#        profile  50 s    where an 8B decode step's time goes                  -> decode-8b-8k-profile.txt
+#      chain.log gets a line per step (rc, seconds) as each ends; rc 124 = cut at its cap.
 #
-# Random-weight shapes need only a tokenizer, so no call carries the 98 MB GGUF. What comes back
-# lies in $OUT (at most 8 files a call, 16 MB each). Every timing there is CUDA-synchronised.
+#   2. the distillation, one resumable piece a lending (~5-6 min with the parcels), right after 1
+#      (each call within the 30 s a machine stays warm; prepare.sh --distill prints this list):
+#        carry [".gpu", ".gp1"], timeout_s 120:  bash scripts/gpu/device.sh setup && bash scripts/gpu/device.sh stash 1
+#        carry [".gp2"] ... [".gpN-1"], 60 each: bash scripts/gpu/device.sh stash K
+#        carry [".gpN"], timeout_s 330:          bash scripts/gpu/device.sh stash N && bash scripts/gpu/device.sh distill 4
+#      The parcels hold the bundled GGUF (98 MB: more than one call carries beside the checkout), the
+#      training mix and the run's state from the last piece. `distill MINUTES [TOPK]` resumes the run
+#      (optimizer, schedule, data position) and stops itself after MINUTES (model load included) ->
+#        state.tar.00, state.tar.01 (its checkpoint, cut to 15 MiB files), adapter.safetensors,
+#        train_summary.json, distill-train.log (as it runs), loss.png
+#      Copy the state.tar.* files back to runs/distill-epoch/ HERE and run prepare.sh --distill
+#      again before the next lending's piece. A full epoch (250 steps) takes several pieces.
+#      TOPK > 0 keeps top-k teacher targets in the run (--teacher-cache; they travel in the state);
+#      the default 0 is the shipped recipe's full-vocabulary targets, generated a step at a time on
+#      the GPU: each piece generates the targets of exactly the steps it trains.
+#
+# Older single steps (each carries [".gpu"]): tests | decode | serve | profile | gate | store |
+#   speed 8b|1b STORE [light]   (STORE: memory:// | host://?pin=1 | disk | default)
+#
+# KVRAG_GPU_DRY=1: the same steps on this CPU with tiny settings (the bundled model, no wheels),
+# so tests/test_gpu_chain.py checks every file each call writes. Every timing is CUDA-synchronised.
 set -uo pipefail
-REPO=$(pwd)
-W=/tmp/kvrag-gpu
-SITE=/tmp/site
+CARRY=$(pwd)                                     # where the carried folders (.gpu, .gpN) are
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+DRY=${KVRAG_GPU_DRY:-0}
+W=${KVRAG_GPU_WORK:-/tmp/kvrag-gpu}
+SITE=$W/site
 OUT=${OUT:-$W/out}
 mkdir -p "$W/run" "$OUT"
-export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 KVRAG_HOME=$W/home HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+export PYTHONUNBUFFERED=1 KVRAG_HOME=$W/home HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ "$DRY" = 1 ]; then
+  DEV=cpu DT=float32 PY=${PYTHON:-python3}
+else
+  DEV=cuda DT=bfloat16 PY=python3
+  export PYTHONPATH=$SITE
+fi
 
-py() { (cd "$W/run" && python3 "$@"); }  # never from the repo root: ./kvrag there lacks the package's mapped parts
+py() { (cd "$W/run" && "$PY" "$@"); }  # never from the repo root: ./kvrag there lacks the package's mapped parts
 kvrag() { py -m kvrag.cli.app "$@"; }
+note() { echo "$*" | tee -a "$OUT/chain.log"; }
 
 setup() {
-  # A warm machine keeps the wheels, but this call's checkout may differ: reinstall kvrag every call.
-  local tree; tree=$(cd "$REPO" && find kvrag cache_backends integrations pyproject.toml -type f -name '*' | sort | xargs cat | md5sum)
-  [ "$(cat "$W/.ready" 2>/dev/null)" = "$tree" ] && return 0
-  if [ ! -f "$SITE/.wheels-ready" ]; then
-    [ -d .gpu/whl ] || { echo "no .gpu/whl: carry it"; return 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/whl/*.whl || return 1
-    touch "$SITE/.wheels-ready"
+  [ "$DRY" = 1 ] && return 0
+  # A warm machine keeps the wheels, but this call's checkout may differ: reinstall kvrag when it does.
+  local tree; tree=$(cd "$REPO" && find kvrag cache_backends integrations pyproject.toml -type f | sort | xargs cat | md5sum)
+  if [ "$(cat "$W/.ready" 2>/dev/null)" != "$tree" ]; then
+    if [ ! -f "$SITE/.wheels-ready" ]; then
+      [ -d "$CARRY/.gpu/whl" ] || { echo "no .gpu/whl: carry .gpu"; return 1; }
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/.gpu/whl/*.whl || return 1
+      touch "$SITE/.wheels-ready"
+    fi
+    rm -rf "$SITE"/kvrag "$SITE"/kvrag-*.dist-info "$W/tokenizer"
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" "$REPO" 2>&1 | grep -v "already exists"
+    [ -f "$SITE/kvrag/training/loop.py" ] || { echo "kvrag did not install"; return 1; }
+    cp -r "$CARRY/.gpu/tokenizer" "$W/tokenizer" || return 1
+    echo "$tree" > "$W/.ready"
   fi
-  rm -rf "$SITE"/kvrag "$SITE"/kvrag-*.dist-info "$W/tokenizer"
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" "$REPO" 2>&1 | grep -v "already exists" || true
-  [ -f "$SITE/kvrag/training/loop.py" ] || { echo "kvrag did not install"; return 1; }
-  cp -r .gpu/tokenizer "$W/tokenizer" || return 1
-  echo "$tree" > "$W/.ready"
-  py -c "import torch, transformers, kvrag; print('torch', torch.__version__, 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
 }
 
-tests() {  # issues #20/#22: every CUDA test (they skip on the CPU)
-  (cd "$W/run" && python3 -m pytest -q -p no:cacheprovider -rs "$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_attention.py" \
-    "$REPO/tests/test_every_device.py" "$REPO/tests/test_store_tiers.py::test_cuda_default_stack_serves_from_the_gpu" 2>&1) \
-    | tee "$OUT/cuda-tests.log" | tail -30
+provenance() {  # what the tables must say they ran on: machine, versions, commit
+  [ -f "$W/.provenance" ] && { cat "$W/.provenance" >> "$OUT/chain.log"; return 0; }
+  {
+    echo "date: $(date -u +%FT%TZ)"
+    echo "commit: $(cat "$CARRY/.gpu/commit" 2>/dev/null || git -C "$REPO" describe --always --dirty 2>/dev/null || echo unknown)"
+    echo "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo none)"
+    py -c "import sys, torch, transformers, kvrag; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  } > "$W/.provenance" 2>&1
+  cat "$W/.provenance" >> "$OUT/chain.log"
 }
 
+tokenizer() { [ "$DRY" = 1 ] && echo "" || echo "$W/tokenizer"; }
+
+tests() {  # issues #20/#22/#39: every CUDA test (they skip on the CPU: the dry run only collects them)
+  local files=("$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_attention.py" "$REPO/tests/test_every_device.py"
+    "$REPO/tests/test_store_tiers.py::test_cuda_default_stack_serves_from_the_gpu")
+  local extra=(-rs); [ "$DRY" = 1 ] && extra=(--collect-only)
+  (cd "$W/run" && "$PY" -m pytest -q -p no:cacheprovider "${extra[@]}" "${files[@]}" 2>&1) > "$OUT/cuda-tests.log"
+  local rc=$?; tail -5 "$OUT/cuda-tests.log"; return $rc
+}
+
+decode() {  # issue #39: the 8B bf16 decode rate at 8k (reuse's prefill, 256 tokens), beside its weights-read bound
+  local model=(--model "$(tokenizer)" --shape llama-3.1-8b --random-weights --contexts 8k --chunk-tokens 512 --decode-tokens 256)
+  [ "$DRY" = 1 ] && model=(--contexts 256 --chunk-tokens 64 --decode-tokens 4)
+  kvrag bench speed "${model[@]}" --store memory:// --device "$DEV" --dtype "$DT" --methods reuse --repeats 1 \
+    --out "$W/decode-8b" 2>&1 | grep -v "it/s" | tail -8
+  cp "$W/decode-8b/speed.md" "$OUT/decode-8b-8k.md" && cp "$W/decode-8b/speed.json" "$OUT/decode-8b-8k.json"
+}
+
+profile() {  # issue #39: where a decode step's time goes (each rate line lands in $OUT as it is printed)
+  local args=("$(tokenizer)"); [ "$DRY" = 1 ] && args=(--shape none --chunks 2 --chunk-tokens 64 --tokens 4 --profile-tokens 2)
+  py "$REPO/scripts/gpu/decode_profile.py" "${args[@]}" --device "$DEV" --dtype "$DT" 2>&1 | grep -v "it/s\|Warn" \
+    > "$OUT/decode-8b-8k-profile.txt"
+  local rc=$?; head -3 "$OUT/decode-8b-8k-profile.txt"; return $rc
+}
+
+serve() {  # issue #35: `kvrag serve` on the 8B shape (random weights, bf16) at 1-16 clients (prepare.sh adds the web stack)
+  local model=(--shape llama-3.1-8b --model "$(tokenizer)" --n 16 --max-new-tokens 64 --concurrency "1,2,4,8,16")
+  [ "$DRY" = 1 ] && model=(--n 2 --max-new-tokens 2 --concurrency "1,2")
+  # server_bench.py writes its tables at its end: its log comes back as it runs
+  py "$REPO/scripts/server_bench.py" --out "$W/serve-8b" "${model[@]}" --device "$DEV" --dtype "$DT" --cli-n 0 --no-decode \
+    --no-index --stop-at none --method reuse 2>&1 | grep -v "it/s" > "$OUT/serve.log"
+  local rc=$?; tail -12 "$OUT/serve.log"
+  cp "$W/serve-8b/server_bench.md" "$W/serve-8b/server_bench.json" "$OUT/" || rc=1
+  return $rc
+}
+
+timed() {  # timed NAME CAP_S: run step NAME for at most CAP_S seconds (and never past the call's deadline)
+  local name=$1 cap=$2 left t0 rc
+  left=$((DEADLINE - $(date +%s)))
+  [ "$left" -lt "$cap" ] && cap=$left
+  if [ "$cap" -lt 10 ]; then note "$name: skipped (the call's ${FIRST_BUDGET_S:-420} s are spent)"; return 0; fi
+  t0=$(date +%s)
+  timeout --kill-after=5 "$cap" bash "$REPO/scripts/gpu/device.sh" "$name"
+  rc=$?
+  note "$name: rc $rc, $(( $(date +%s) - t0 )) s (cap $cap s)"
+}
+
+first() {  # call 1 of a lending: the CUDA tests, the 8B decode table and profile, the 8B serving table (see the top)
+  DEADLINE=$(( $(date +%s) + ${FIRST_BUDGET_S:-420} ))
+  : > "$OUT/chain.log"
+  local t0; t0=$(date +%s)
+  { setup && provenance; } || { note "setup failed"; return 1; }
+  note "setup: $(( $(date +%s) - t0 )) s"
+  timed tests 90
+  timed decode 70
+  timed serve 180
+  timed profile 50
+  ls -l "$OUT"
+}
+
+# -- the distillation in pieces ---------------------------------------------------------------------
+stash() {  # parcel N, kept on the warm machine until the last one comes
+  local n=${1:?parcel number}
+  [ -f "$CARRY/.gp$n/part" ] || { echo "no .gp$n/part: carry .gp$n"; return 1; }
+  mkdir -p "$W/parcel" && cp "$CARRY/.gp$n/part" "$W/parcel/$(printf %03d "$n")"
+  [ -f "$CARRY/.gp$n/manifest" ] && cp "$CARRY/.gp$n/manifest" "$W/parcel/manifest"
+  ls "$W/parcel"
+}
+
+unpack() {  # the parcels, checked whole, into $W/in (gguf, data/, state.tar)
+  local m="$W/parcel/manifest" parts
+  [ -f "$m" ] || { echo "no manifest: stash parcel 1 first"; return 1; }
+  parts=$(sed -n 's/^parts: //p' "$m")
+  [ "$(find "$W/parcel" -name '[0-9][0-9][0-9]' | wc -l)" = "$parts" ] || { echo "have $(ls "$W/parcel"), need $parts parts"; return 1; }
+  [ "$(cat "$W/parcel"/[0-9][0-9][0-9] | sha256sum | cut -d' ' -f1)" = "$(sed -n 's/^sha256: //p' "$m")" ] || { echo "parcels do not match their manifest"; return 1; }
+  rm -rf "$W/in" && mkdir -p "$W/in" && cat "$W/parcel"/[0-9][0-9][0-9] | tar x -C "$W/in" || return 1
+  [ -d "$W/in/model" ] || [ "$(sha256sum "$W/in/model.gguf" | cut -d' ' -f1)" = "$(cat "$W/in/model.gguf.sha256")" ] \
+    || { echo "GGUF damaged"; return 1; }
+}
+
+distill() {  # one piece of the self-distilled reuse adapter (issues #34/#55): resume, train MINUTES, pack the state
+  local minutes=${1:?minutes} topk=${2:-0} run="$W/distill" data=() args=() keep=(checkpoint)
+  [ -f "$W/in/model.gguf" ] || [ -d "$W/in/model" ] || unpack || return 1
+  local base=model.gguf; [ -d "$W/in/model" ] && base=./model
+  rm -rf "$run" && mkdir -p "$run"
+  [ -f "$W/in/state.tar" ] && tar xf "$W/in/state.tar" -C "$run"
+  # paths relative to $W/in, where it runs: the resume key holds them, so they must not depend on the machine's folders
+  while read -r spec; do data+=(--data "data/$spec"); done < "$W/in/data/mix.txt"
+  args=(--teacher-tokens 32 --continue-share 0.5 --min-chunks 1 --lr 5e-5 --batch-size 1 --grad-accum 8 --epochs 1)
+  [ "$DRY" = 1 ] && args=(--teacher-tokens 2 --continue-share 0.5 --max-chunks 2 --max-tokens 192 --batch-size 1 --grad-accum 1
+    --max-steps 4 --stop-at-step "$(( $(sed -n 's/.*"step": \([0-9]*\).*/\1/p' "$run/checkpoint/state.json" 2>/dev/null || echo 0) + 1 ))")
+  [ "$topk" -gt 0 ] && { args+=(--teacher-topk "$topk" --teacher-cache); keep+=(teacher); }
+  (cd "$W/in" && "$PY" -m kvrag.train --objective distill --mode lora --link-tokens 5 --model "$base" "${data[@]}" "${args[@]}" \
+    --seed 0 --save-every 10 --device "$DEV" --dtype float32 --max-minutes "$minutes" --resume --no-progress \
+    --out "$run") > "$OUT/distill-train.log" 2>&1
+  local rc=$?; tail -4 "$OUT/distill-train.log"
+  [ -f "$run/checkpoint/state.json" ] || { echo "no checkpoint"; return 1; }
+  local have=(); for k in "${keep[@]}"; do [ -e "$run/$k" ] && have+=("$k"); done
+  tar cf "$W/state.tar" -C "$run" "${have[@]}" && split -b 15M -d -a 2 "$W/state.tar" "$OUT/state.tar."
+  cp "$run/adapter.safetensors" "$run/train_summary.json" "$OUT/" 2>/dev/null
+  cp "$run/loss.png" "$OUT/" 2>/dev/null
+  echo "state: $(sha256sum "$W/state.tar" | cut -d' ' -f1), step $(sed -n 's/.*"step": \([0-9]*\).*/\1/p' "$run/checkpoint/state.json")" \
+    | tee -a "$OUT/distill-train.log"
+  ls -l "$OUT"
+  return $rc
+}
+
+# -- older single steps -----------------------------------------------------------------------------
 gate() {  # issue #22: the gate in bf16 at 1B-8B shapes (random weights)
   for shape in llama-3.2-1b llama-3.1-8b qwen2.5-7b; do
     kvrag check-model "$W/tokenizer" --shape "$shape" --device cuda --dtype bfloat16 --json > "$W/gate-$shape.json"
@@ -63,17 +205,14 @@ gate() {  # issue #22: the gate in bf16 at 1B-8B shapes (random weights)
 }
 
 speed() {  # issues #20/#22: TTFT vs context, layer-wise loading on and off, decode rate; ARGS: 8b|1b STORE [light]
-  # light: reuse and epic only, loading as the default picks, no decode (~1/3 of the time): a store
-  # beside the host tier's full run, inside one call's 10 minutes
-  local shape=$1 store=${2:-memory://} light=${3:-} name methods=reuse,epic,cacheblend,samkv extra="--layerwise both --decode-tokens 64"
+  local shape=$1 store=${2:-memory://} light=${3:-} name methods=reuse,epic,cacheblend,samkv extra=(--layerwise both --decode-tokens 64)
   case $shape in 8b) shape=llama-3.1-8b ;; 1b) shape=llama-3.2-1b ;; esac
   name=$(echo "$shape-$store" | tr -c 'a-zA-Z0-9.\n-' '_' | sed 's/_*$//')
   [ "$store" = disk ] && store="disk://$W/kv-$shape?pin=1"
   [ "$store" = default ] && store=""
-  [ "$light" = light ] && { methods=reuse,epic; extra=""; name="$name-light"; }
-  kvrag bench speed --model "$W/tokenizer" ${store:+--store "$store"} --shape "$shape" --random-weights --device cuda --dtype bfloat16 --contexts 4k,8k,16k,32k \
-    --chunk-tokens 512 --methods "$methods" --repeats 3 $extra \
-    --out "$W/speed-$name" 2>&1 | tail -40
+  [ "$light" = light ] && { methods=reuse,epic; extra=(); name="$name-light"; }
+  kvrag bench speed --model "$W/tokenizer" ${store:+--store "$store"} --shape "$shape" --random-weights --device cuda --dtype bfloat16 \
+    --contexts 4k,8k,16k,32k --chunk-tokens 512 --methods "$methods" --repeats 3 "${extra[@]}" --out "$W/speed-$name" 2>&1 | tail -40
   cp "$W/speed-$name/speed.md" "$OUT/$name.md"; cp "$W/speed-$name/speed.json" "$OUT/$name.json"
 }
 
@@ -81,48 +220,14 @@ store() {  # issue #22: each tier's read bandwidth beside plain reads and host-t
   py -m kvrag.eval.store_bench "$W/store" --tiers-only --rounds 30 2>&1 | tee "$OUT/store-tiers.md" | tail -15
 }
 
-decode() {  # issue #39 item 4: the 8B bf16 decode rate at 8k (reuse's prefill, 256 tokens), then where a step's time goes
-  kvrag bench speed --model "$W/tokenizer" --store memory:// --shape llama-3.1-8b --random-weights --device cuda --dtype bfloat16 \
-    --contexts 8k --chunk-tokens 512 --methods reuse --repeats 1 --decode-tokens 256 --out "$W/decode-8b" 2>&1 | grep -v "it/s" | tail -8
-  cp "$W/decode-8b/speed.md" "$OUT/decode-8b-8k.md"; cp "$W/decode-8b/speed.json" "$OUT/decode-8b-8k.json"
-  py "$REPO/scripts/gpu/decode_profile.py" "$W/tokenizer" 2>&1 | grep -v "it/s\|Warn" | tee "$OUT/decode-8b-8k-profile.txt" | head -4
-}
-
-serve() {  # issue #35: `kvrag serve` on the 8B shape (random weights, bf16) at 1-16 clients (prepare.sh --serve; ~4 min)
-  py "$REPO/scripts/server_bench.py" --out "$W/serve-8b" --shape llama-3.1-8b --model "$W/tokenizer" --device cuda \
-    --dtype bfloat16 --n 16 --cli-n 0 --no-decode --no-index --stop-at none --max-new-tokens 64 --method reuse \
-    --concurrency 1,2,4,8,16 2>&1 | grep -v "it/s" | tail -20
-  cp "$W/serve-8b"/server_bench.* "$OUT/" 2>/dev/null
-}
-
-stash() {  # a part of the bundled GGUF, kept on the warm machine until the last part comes
-  mkdir -p "$W/gguf" && cp ".gg$1"/p"$1" "$W/gguf/" && ls -l "$W/gguf"
-  [ -d .gpu/data ] && { mkdir -p "$W/data" && tar xzf .gpu/data/data.tgz -C "$W/data" && cp .gpu/data/gguf.sha256 "$W/data/"; }
-  return 0
-}
-
-distill() {  # issue #34: the self-distilled reuse adapter, its schedule fitted to MINUTES; what comes back: $OUT
-  local minutes=${1:?minutes} g="$W/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" d="$W/data"
-  cat "$W/gguf"/p1 "$W/gguf"/p2 "$W/gguf"/p3 > "$g" || return 1
-  [ "$(sha256sum "$g" | cut -d' ' -f1)" = "$(cat "$d/gguf.sha256")" ] || { echo "GGUF parts do not match"; return 1; }
-  py -m kvrag.train --objective distill --mode lora --link-tokens 5 --model "$g" \
-    --data "$d/nq10_dev.jsonl@0:1200" --data "$d/musique_dev.jsonl@0:100" --data "$d/kv75_dev.jsonl@0:200" \
-    --data "$d/facts-train.jsonl@0:300" --data "$d/facts-long-train.jsonl@0:200" --teacher-tokens 32 --continue-share 0.5 --min-chunks 1 --lr 5e-5 \
-    --batch-size 1 --grad-accum 8 --epochs 1 --seed 0 --save-every 10 --device cuda --dtype float32 \
-    --max-minutes "$minutes" --fit-schedule --out "$W/distill5" 2>&1 | tee "$OUT/distill-train.log" | tail -15
-  cp "$W/distill5/adapter.safetensors" "$W/distill5/train_summary.json" "$W/distill5/loss.png" "$OUT/" 2>/dev/null
-  ls -l "$OUT"
-}
-
-step=${1:?usage: device.sh setup|tests|gate|store|speed 8b|1b STORE [light]|stash N|distill MINUTES|decode|serve}
+step=${1:?usage: device.sh first|setup|tests|decode|serve|profile|stash N|distill MINUTES [TOPK]|gate|store|speed 8b|1b STORE [light]}
 shift
 case $step in
-  setup) setup ;;
-  tests | gate | store) setup && "$step" "$@" ;;
-  speed) setup && speed "$@" ;;
-  decode) setup && decode ;;
-  serve) setup && serve ;;
+  first) first ;;
+  setup) : > "$OUT/chain.log"; setup && provenance ;;
+  tests | decode | serve | profile | gate | store) setup > /dev/null && "$step" ;;
+  speed) setup > /dev/null && speed "$@" ;;
   stash) stash "$@" ;;
-  distill) setup && distill "$@" ;;
+  distill) setup > /dev/null && distill "$@" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
