@@ -60,6 +60,15 @@ class TieredStore:
         self._stats = StoreStats()
 
     @property
+    def quantize(self) -> str:
+        """The coarsest precision any tier keeps entries at: an entry may be served from that tier, so
+        the cache key (kvrag.kv.repository) must say so, or a lossy entry would pass as an exact one."""
+        from .format import STORAGE, storage_of
+
+        kept = [storage_of(getattr(t, "quantize", False)) for t in self.tiers]
+        return max(kept, key=STORAGE.index)
+
+    @property
     def upper(self) -> KVStore:
         return self.tiers[0]
 

@@ -78,3 +78,12 @@ def test_precisions_never_share_a_cache_key_and_bf16_answers_like_float32(tmp_pa
         logits[q] = rag.prefill("Where is Paris?", chunk_ids=["a", "b"], method="reuse").logits.float()
     assert (logits["bf16"] - logits["none"]).abs().max() < 0.05
     assert (logits["bf16"] - logits["none"]).abs().max() > 0  # it is lossy, as documented
+
+
+def test_a_tiered_store_keys_entries_by_its_coarsest_tier(tmp_path):
+    lm = from_model(tiny_model("llama"), tiny_tokenizer())
+    plain = KVRag(lm, store=f"disk://{tmp_path / 'a'}")
+    tiered = KVRag(lm, store=f"tiered://?tiers=memory://|disk://{tmp_path / 'b'}?quantize=bf16")
+    assert storage_of(tiered.store.quantize) == "bf16"
+    ids = plain.layout.chunk_ids(Chunk(id="a", text="The cat sat on the mat all day."))
+    assert plain.repo.key("chunk", ids) != tiered.repo.key("chunk", ids)

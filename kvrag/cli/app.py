@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 EXAMPLES = {
-    "ingest": "kvrag ingest docs/ notes.md --store redis://127.0.0.1:6379/0",
+    "ingest": "kvrag ingest ~/papers/ notes.md --store redis://127.0.0.1:6379/0",
     "ask": 'kvrag ask "When did the Brannoch Line open?" --method a3 --recompute-ratio auto --json',
     "quickstart": "kvrag quickstart --question \"Who built the Brannoch Line?\"",
     "methods": "kvrag methods",

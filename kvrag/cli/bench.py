@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="suite: every set at two answer lengths, the rule applied (docs: Methods, how the default is chosen); "
                          "storage: each set answered from float32, bf16 and int8 stores, against float32 storage's answers "
                          "(the first --lengths value)")
-    ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md, suite.json, suite.png")
+    ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md/json/png, or storage.md/json/png for eval storage")
     ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
     ev.add_argument("--sets", default="sample,facts,facts-one,nq10,facts-long,musique,kv75", help="which sets, comma-separated")
     ev.add_argument("--lengths", default="16,64", help="answer lengths in new tokens, comma-separated")
