@@ -87,3 +87,23 @@ def test_a_tiered_store_keys_entries_by_its_coarsest_tier(tmp_path):
     assert storage_of(tiered.store.quantize) == "bf16"
     ids = plain.layout.chunk_ids(Chunk(id="a", text="The cat sat on the mat all day."))
     assert plain.repo.key("chunk", ids) != tiered.repo.key("chunk", ids)
+
+
+@pytest.mark.parametrize("precision", ["none", "bf16", "int8"])
+def test_the_projection_of_a_corpus_matches_what_ingesting_it_stores(tmp_path, precision):
+    from kvrag.ingest.documents import load_documents
+    from kvrag.ingest.projection import project
+    from kvrag.ingest.samples import sample_corpus_dir
+
+    folder = tmp_path / "model"
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    projection = project([sample_corpus_dir()], model=str(folder))
+    assert projection.layers == 3 and projection.kv_heads == 2 and projection.head_dim == 16
+    rag = KVRag(from_model(model, tok), store=f"disk://{tmp_path / 'kv'}?quantize={precision}")
+    chunks = load_documents([sample_corpus_dir()], tokenizer=tok)
+    rag.precompute(chunks, progress=False)
+    stored = sum(p.stat().st_size for p in (tmp_path / "kv" / "entries").rglob("*") if p.is_file())
+    assert projection.chunks == len(chunks)
+    assert abs(projection.total(precision) - stored) < 0.1 * stored, (projection.total(precision), stored)

@@ -42,6 +42,11 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="entries, bytes, ages, per model / layout / kind, cap, temp files", formatter_class=Fmt,
                         epilog="example: kvrag store stats --store redis://127.0.0.1:6379/0 --json")
     common(st)
+    st.add_argument("--project", nargs="+", default=None, metavar="PATH",
+                    help="also project the KV these files or folders will take once ingested, at each storage precision "
+                         "(chunked and tokenised as `kvrag ingest` does; the model's configuration only, no weights)")
+    st.add_argument("--model", default=os.environ.get("KVRAG_MODEL"),
+                    help="with --project: HF model id, folder or .gguf (default: $KVRAG_MODEL, else the bundled SmolLM2)")
 
     ls = sub.add_parser("ls", help="one line per entry (headers only, no tensor is read)", formatter_class=Fmt,
                         epilog="example: kvrag store ls --model 3fa2c1 --kind chunk --limit 20")
@@ -100,6 +105,21 @@ def _document_ids(paths: Sequence[str], collection: str) -> tuple[list[str], dic
     return ids, per
 
 
+def _precision_of(url: str) -> str | None:
+    """The storage precision a disk:// or redis:// URL asks for (None for a tiered one: per tier)."""
+    from urllib.parse import parse_qs, urlparse
+
+    from kvrag.cache_backends.format import storage_of
+
+    parsed = urlparse(url)
+    if parsed.scheme == "tiered":
+        return None
+    try:
+        return storage_of(parse_qs(parsed.query).get("quantize", ["none"])[0])
+    except ValueError:
+        return None
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     """`kvrag store ...`; a store that cannot be reached or refuses (a Redis db out of range, a
     password it rejects) is a one-line error, not a traceback."""
@@ -133,6 +153,13 @@ def _store_command(args: argparse.Namespace) -> int:
     out = sys.stdout
     if args.store_command == "stats":
         st = store_stats(admin)
+        if args.project:
+            from kvrag.ingest.projection import format_projection, project
+
+            projection = project(args.project, args.model)
+            st["projection"] = projection.as_dict()
+            if not args.json:
+                print(format_projection(projection, _precision_of(args.store)), file=out)
         print(json.dumps(st) if args.json else format_stats(st), file=out)
         return 0
     if args.store_command == "ls":

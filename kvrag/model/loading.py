@@ -239,6 +239,25 @@ def load_tokenizer(source: str | os.PathLike | None = None, **hf_kwargs: Any) ->
         raise ModelLoadError(f"could not load the tokenizer of {source!r}: {exc}") from exc
 
 
+def load_config(source: str | os.PathLike | None = None, **hf_kwargs: Any) -> Any:
+    """Only the model's configuration (layers, heads, sizes), with no weights loaded: enough to
+    size its KV before anything is computed."""
+    from transformers import AutoConfig
+
+    try:
+        gguf = _gguf_source(source)
+        if gguf is None:
+            return AutoConfig.from_pretrained(str(source), **hf_kwargs)
+        converted = _converted_gguf_dir(gguf[0])
+        if (converted / "config.json").exists():
+            return AutoConfig.from_pretrained(converted)
+        return AutoConfig.from_pretrained(gguf[0].parent, gguf_file=gguf[0].name)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the configuration of {source!r}: {exc}") from exc
+
+
 def from_model(model: Any, tokenizer: Any, source: str = "user") -> LoadedModel:
     """Wrap an already loaded model (the path tests and power users take)."""
     check_supported(model)
