@@ -53,3 +53,14 @@ def test_every_option_of_every_command_says_what_it_does():
 
     walk(_parser(), "kvrag")
     assert not missing, missing
+
+
+def test_an_error_under_json_is_json_on_stdout(tmp_path, monkeypatch, capsys):
+    import json
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))  # nothing ingested: an error before any model loads
+    assert main(["ask", "When did it open?", "--json"]) == 2
+    out, err = capsys.readouterr()
+    error = json.loads(out)["error"]
+    assert "nothing has been ingested" in error["message"] and error["exit_code"] == 2
+    assert "kvrag: error:" in err

@@ -488,4 +488,5 @@ def test_ctrl_c_keeps_what_was_stored_and_a_store_that_keeps_nothing_stops_the_i
     assert cli.main([*args, "--store", down, "--collection", "down"]) == 1
     err = capsys.readouterr().err
     assert "was not stored" in err and "so the ingest stopped" in err and "They are not indexed" in err
+    assert "\ningested " not in "\n" + err and "stored and indexed 0 of" in err  # the failure, never a success line first
     assert len(opened[-1]["index"]) == 0

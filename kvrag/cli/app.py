@@ -60,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (KVRagError, ValueError) as exc:
         print(f"kvrag: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading stdout gets the error as JSON, not nothing
+            import json
+
+            print(json.dumps({"error": {"message": str(exc), "type": type(exc).__name__, "exit_code": 2}}))
         return 2
 
 

@@ -256,19 +256,20 @@ def _ingest_locally(args: argparse.Namespace, files: list[Path], skipped: list[s
     if not total.chunks:
         print("no text found in the given paths", file=sys.stderr)
         return 1
-    print(
-        f"ingested {total.chunks} chunks ({total.computed} computed, {total.already_cached} already cached, "
-        f"{total.tokens} tokens) in {time.perf_counter() - t0:.1f}s; store {rag.store.url}",
-        file=sys.stderr,
-    )
-    if not_stored:
+    if not_stored:  # the failure first and alone: never an "ingested N chunks" line above it
         print(
-            f"kvrag: error: the KV of {len(not_stored)} of {total.computed} computed chunks was not stored "
+            f"kvrag: error: stored and indexed {total.chunks - len(not_stored)} of {total.chunks} chunks: "
+            f"the KV of {len(not_stored)} of {total.computed} computed chunks was not stored "
             f"(is the store at {rag.store.url} reachable?){''.join('; ' + s for s in stopped)}. They are not indexed: "
             f"run the same command again to complete. First ids: {', '.join(not_stored[:5])}",
             file=sys.stderr,
         )
         return 1
+    print(
+        f"ingested {total.chunks} chunks ({total.computed} computed, {total.already_cached} already cached, "
+        f"{total.tokens} tokens) in {time.perf_counter() - t0:.1f}s; store {rag.store.url}",
+        file=sys.stderr,
+    )
     return 0
 
 
