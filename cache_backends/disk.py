@@ -45,7 +45,7 @@ from .base import CorruptEntryError, StoreError, check_key
 from .byte_store import ByteStore, Fetched
 from .disk_index import DiskIndex
 from .disk_map import map_entry
-from .disk_files import SymlinkedFolderError, open_folder, write_at
+from .disk_files import SymlinkedFolderError, open_folder, unlink_in, write_at
 from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, open_entry_file, read_entry  # noqa: F401 - read_entry: store admin's
 from .format import MAX_HEADER_BYTES, MacKey, parse_header
 from .host import BufferPool
@@ -257,18 +257,9 @@ class DiskStore(DiskIndex, ByteStore):
     def _unlink_in(self, top: str, shards: Sequence[str], name: str) -> None:
         """Delete `name` in a shard folder, never through a symlinked one (that file is not the store's)."""
         try:
-            fd = open_folder(top, shards)
+            unlink_in(top, shards, name)
         except SymlinkedFolderError as exc:
             log.warning("not deleting %s: %s", name, exc)
-            return
-        if fd is None:
-            return
-        try:
-            os.unlink(name, dir_fd=fd)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
 
     def _exists(self, key: str) -> bool:
         return self._path(key).exists()

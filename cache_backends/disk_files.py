@@ -87,6 +87,20 @@ def _refused(part: str, top: str, exc: OSError) -> StoreError:
     return StoreError(f"cannot open {os.path.join(top, part)}: {exc}")
 
 
+def unlink_in(top: str, parts: Sequence[str], name: str) -> None:
+    """Delete `name` in the shard folder `parts` under `top`, never through a symlinked folder (that
+    file is not the store's: SymlinkedFolderError); a name or folder already gone is no error."""
+    fd = open_folder(top, parts)
+    if fd is None:
+        return
+    try:
+        os.unlink(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_at(dir_fd: int, name: str, data: bytes) -> None:
     """Write `name` in the folder `dir_fd` atomically: a fresh temp file of its own (never through a
     link), renamed over the name. Readers see the old file or the whole new one."""

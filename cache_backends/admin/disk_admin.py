@@ -20,7 +20,7 @@ import torch
 from kvrag.cache_backends import DiskStore, StoreError
 from kvrag.cache_backends.base import CorruptEntryError, check_key
 from kvrag.cache_backends.disk import _SUFFIX, _TEMP, read_entry
-from kvrag.cache_backends.disk_files import BadFile, SymlinkedFolderError, kind_of, open_folder, read_small, write_at
+from kvrag.cache_backends.disk_files import BadFile, SymlinkedFolderError, kind_of, open_folder, read_small, unlink_in, write_at
 from kvrag.cache_backends.disk_read import _O_FLAGS
 from kvrag.cache_backends.format import MAX_HEADER_BYTES, header_length
 from kvrag.cache_backends.refs import MAX_REF_BYTES, check_ref, ref_mac
@@ -163,17 +163,9 @@ class DiskAdmin(StoreAdmin):
                     os.unlink(name)
                 continue
             try:
-                fd = open_folder(index, (shard,))
+                unlink_in(index, (shard,), name)
             except SymlinkedFolderError:
                 continue
-            if fd is None:
-                continue
-            try:
-                os.unlink(name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(fd)
 
     def unlink_ids(self, user_ids: Sequence[str]) -> None:
         self.store.unlink(user_ids)

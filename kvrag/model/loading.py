@@ -225,18 +225,7 @@ def load_tokenizer(source: str | os.PathLike | None = None, **hf_kwargs: Any) ->
     instead of the 98 MB GGUF."""
     from transformers import AutoTokenizer
 
-    try:
-        gguf = _gguf_source(source)
-        if gguf is None:
-            return AutoTokenizer.from_pretrained(str(source), **hf_kwargs)
-        converted = _converted_gguf_dir(gguf[0])
-        if (converted / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(converted)
-        return AutoTokenizer.from_pretrained(gguf[0].parent, gguf_file=gguf[0].name)
-    except ModelLoadError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not load the tokenizer of {source!r}: {exc}") from exc
+    return _load_part(AutoTokenizer, "tokenizer_config.json", "tokenizer", source, hf_kwargs)
 
 
 def load_config(source: str | os.PathLike | None = None, **hf_kwargs: Any) -> Any:
@@ -244,18 +233,24 @@ def load_config(source: str | os.PathLike | None = None, **hf_kwargs: Any) -> An
     size its KV before anything is computed."""
     from transformers import AutoConfig
 
+    return _load_part(AutoConfig, "config.json", "configuration", source, hf_kwargs)
+
+
+def _load_part(auto: Any, marker: str, what: str, source: str | os.PathLike | None, hf_kwargs: dict[str, Any]) -> Any:
+    """A weightless part of `source` (`auto`: AutoTokenizer or AutoConfig): from a HF id or folder, the
+    GGUF's converted copy when one exists (its `marker` file), else the GGUF's own metadata."""
     try:
         gguf = _gguf_source(source)
         if gguf is None:
-            return AutoConfig.from_pretrained(str(source), **hf_kwargs)
+            return auto.from_pretrained(str(source), **hf_kwargs)
         converted = _converted_gguf_dir(gguf[0])
-        if (converted / "config.json").exists():
-            return AutoConfig.from_pretrained(converted)
-        return AutoConfig.from_pretrained(gguf[0].parent, gguf_file=gguf[0].name)
+        if (converted / marker).exists():
+            return auto.from_pretrained(converted)
+        return auto.from_pretrained(gguf[0].parent, gguf_file=gguf[0].name)
     except ModelLoadError:
         raise
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not load the configuration of {source!r}: {exc}") from exc
+        raise ModelLoadError(f"could not load the {what} of {source!r}: {exc}") from exc
 
 
 def from_model(model: Any, tokenizer: Any, source: str = "user") -> LoadedModel:
