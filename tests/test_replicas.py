@@ -205,3 +205,48 @@ def test_a_replica_with_another_embedding_model_refuses_to_start(cluster, monkey
     err = capsys.readouterr().err
     assert "bge-large-en/1024/normalized" in err and "embedding model" in err
     assert "loading model" not in err  # refused before any model loads
+
+
+# -- an id one replica holds in its own table, replaced or deleted through the other ---------------------------
+def _by_id(replica: Replica, chunk_id: str) -> httpx.Response:
+    return replica.http("POST", "/v1/chat/completions", key=READ_KEY, json={
+        "model": "kvrag", "messages": [{"role": "user", "content": "What is it?"}], "max_tokens": 1,
+        "kvrag": {"chunk_ids": [chunk_id]}})
+
+
+def _prompt_tokens_inline(replica: Replica, chunk: dict) -> int:
+    r = replica.http("POST", "/v1/chat/completions", key=READ_KEY, json={
+        "model": "kvrag", "messages": [{"role": "user", "content": "What is it?"}], "max_tokens": 1, "kvrag": {"chunks": [chunk]}})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_an_id_b_holds_replaced_through_a_is_answered_from_the_new_text_by_both(cluster):
+    _, a, b, _ = cluster
+    old = {"id": "kiwi", "text": "Kiwis are flightless birds.", "title": "Kiwis"}
+    new = {**old, "text": "Kiwi fruit grows on woody vines in New Zealand; it has a fuzzy brown skin, green flesh and "
+                          "rows of small black seeds around a pale core."}
+    assert b.http("POST", "/v1/chunks", json={"chunks": [old]}).status_code == 200  # B's own table holds "kiwi" now
+    before = _by_id(b, "kiwi")
+    assert before.status_code == 200 and before.json()["usage"]["prompt_tokens"] == _prompt_tokens_inline(b, old)
+    r = a.http("POST", "/v1/chunks", json={"chunks": [new], "replace": True})
+    assert r.status_code == 200, r.text
+    want = _prompt_tokens_inline(a, new)
+    assert want != before.json()["usage"]["prompt_tokens"]
+    for replica in (a, b):
+        after = _by_id(replica, "kiwi")
+        assert after.status_code == 200, after.text
+        assert after.json()["usage"]["prompt_tokens"] == want  # the new text, never the one B registered
+        assert after.json()["kvrag_stats"]["cache_hits"] == 1  # A's KV of the new text, through Redis
+
+
+def test_an_id_b_holds_deleted_through_a_is_chunk_not_found_on_both(cluster):
+    _, a, b, _ = cluster
+    fig = {"id": "fig", "text": "Fig trees are pollinated by tiny wasps.", "title": "Figs"}
+    assert b.http("POST", "/v1/chunks", json={"chunks": [fig]}).status_code == 200  # B's own table holds "fig"
+    assert _by_id(b, "fig").status_code == 200
+    assert a.http("DELETE", "/v1/chunks/fig").status_code == 200
+    for replica in (a, b):
+        gone = _by_id(replica, "fig")
+        assert gone.status_code == 400 and gone.json()["error"]["code"] == "chunk_not_found", gone.text
+    assert b.http("DELETE", "/v1/chunks/fig").status_code == 404  # nothing left anywhere to delete

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvrag.kv.registry import request_scoped_chunks
+from kvrag.kv.registry import removed_ids_by, request_scoped_chunks
 from kvrag.pipeline import AnswerStream
 from kvrag.server.errors import APIError, as_api_error, error_body, log
 from kvrag.server.gate import Slot
@@ -91,7 +91,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
 
         def start() -> Started:
             check_token_count(state.count_tokens(texts), settings)
-            with request_scoped_chunks():
+            with request_scoped_chunks(), removed_ids_by(state.removed_ids):  # an id deleted through any replica: 400
                 return Started(rag.stream_chat(conv, ctx.chunk_ids, chunks=chunks, options=opts))
 
         return start

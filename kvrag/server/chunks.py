@@ -142,21 +142,16 @@ def holdings(state: ServerState, chunks: list[Chunk], keys: list[str]) -> dict[s
 
 
 def _stored_keys(rag: KVRag, ids: list[str]) -> list[str | None]:
-    """The KV entry key each id is bound to: in the store's node-id index (every replica's), else in
-    this process's registry; None for an id nobody bound."""
+    """The KV entry key each id is bound to in the store's node-id index (every replica's); None for an
+    id it does not bind, whatever this process's table says (another replica may have deleted it). Only
+    where the store cannot be read is this process's registry asked instead."""
     if not ids:
         return []
     repo = rag.repo
-    try:
-        found = list(repo.guarded.resolve([f"{repo.namespace}/{i}" for i in ids]))
-    except Exception:  # a store without a node-id index (or unreachable): this process's registry alone
-        found = [None] * len(ids)
-    out: list[str | None] = []
-    for chunk_id, key in zip(ids, found):
-        if not key and chunk_id in repo.chunks:
-            key = repo.resolve([repo.chunks[chunk_id]]).keys[0]
-        out.append(key or None)
-    return out
+    found = repo.store_links(ids)
+    if found is not None:
+        return found
+    return [repo.resolve([repo.chunks[i]]).keys[0] if i in repo.chunks else None for i in ids]
 
 
 def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
