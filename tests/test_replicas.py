@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 from chroma_server import ChromaServer  # noqa: E402
 from conftest import SHORT_CONTEXT_ENV  # noqa: E402
 from test_backends import REDIS, RedisServer, free_port  # noqa: E402
+from test_index_metrics import metric, states  # noqa: E402
 
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
 
@@ -178,6 +179,9 @@ def test_the_index_server_killed_is_a_503_then_right_again_nothing_lost(cluster)
         r = a.http("POST", "/v1/chunks", json={"chunks": [{"id": "wasp", "text": "Wasps build paper nests.", "title": "Wasps"}]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "index_unavailable" and "retry-after" in r.headers
         assert b.http("DELETE", "/v1/chunks/ant").status_code == 503
+        for replica in (a, b):  # two refusals each (a question, and an ingest or a delete), and the state
+            seen = replica.http("GET", "/metrics", key=READ_KEY).text
+            assert metric(seen, "kvrag_index_unavailable_total") == 2.0 and states(seen)["unreachable"] == 1.0
         own = a.http("POST", "/v1/chat/completions", key=READ_KEY, json={  # a request's own context needs no index
             "model": "kvrag", "messages": [{"role": "user", "content": "owls?"}], "max_tokens": 2,
             "kvrag": {"chunks": [FACTS[0]]}})
@@ -187,6 +191,7 @@ def test_the_index_server_killed_is_a_503_then_right_again_nothing_lost(cluster)
     for replica in (a, b):
         assert [s["id"] for s in _sources(replica.ask("When do owls hunt?"))][0] == "owl"
         assert replica.http("GET", "/health", key=None).json()["chunks"]["retrievable"] == before
+        assert states(replica.http("GET", "/metrics", key=READ_KEY).text) == {"ok": 1.0, "unreachable": 0.0, "mismatch": 0.0, "off": 0.0}
     assert "ant" in [s["id"] for s in _sources(a.ask("Where do ants build nests?"))]  # the refused DELETE changed nothing
     assert a.http("POST", "/v1/chunks", json={"chunks": [{"id": "wasp", "text": "Wasps build paper nests.", "title": "Wasps"}]}).status_code == 200
     assert "wasp" in [s["id"] for s in _sources(b.ask("Which insects build paper nests?"))]
