@@ -197,6 +197,19 @@ def test_the_index_server_killed_is_a_503_then_right_again_nothing_lost(cluster)
     assert "wasp" in [s["id"] for s in _sources(b.ask("Which insects build paper nests?"))]
 
 
+def test_chat_openai_sees_what_the_answer_read_when_it_asks(cluster):
+    """LangChain's ChatOpenAI drops kvrag_sources; `"kvrag": {"cite": true}` puts them in the text it shows."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    _, _, b, _ = cluster
+    llm = langchain_openai.ChatOpenAI(base_url=b.url + "/v1", api_key=READ_KEY, model="kvrag", max_tokens=4, temperature=0,
+                                      max_retries=0, http_client=httpx.Client(trust_env=False, timeout=60))
+    assert "Sources:" not in llm.invoke("When did the Brannoch Line open?").content  # off unless asked
+    cited = llm.bind(extra_body={"kvrag": {"cite": True}})
+    content = cited.invoke("When did the Brannoch Line open?").content
+    assert "Sources:\n[1] brannoch (rail/brannoch.md)" in content, content
+    assert "".join(str(c.content) for c in cited.stream("When did the Brannoch Line open?")) == content  # streamed: a last piece
+
+
 def test_a_replica_with_another_embedding_model_refuses_to_start(cluster, monkeypatch, capsys):
     import chromadb
 
