@@ -59,7 +59,9 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
     each chunk fitting the model's context) is checked before anything is registered: a refused
     request leaves no chunk behind, here or in the store's id index. When the store did not keep
     the KV of some computed chunks (down, frozen, full), the answer is a 503 whose `error.not_stored`
-    lists them (the chunks are registered: they are answered, computing their KV at question time).
+    lists them (the chunks are registered here and answered, their KV computed at question time, while the
+    store's id index binds them or cannot be read; an id it lost with the store is chunk_not_found until
+    ingested again: kvrag.kv.registry.removed_ids_by).
     """
     state: ServerState = request.app.state.kvrag
     check_chunk_count(len(body.chunks), state.settings)
@@ -109,8 +111,8 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
         raise APIError(
             503,
             f"the KV store did not keep the KV of {n} of {report.computed} computed chunks (is it reachable, or full?): "
-            f"{', '.join(map(repr, report.not_stored[:5]))}{' ...' if n > 5 else ''}. The chunks are registered and will be "
-            "computed at question time; retry the ingest once the store is back",
+            f"{', '.join(map(repr, report.not_stored[:5]))}{' ...' if n > 5 else ''}. The chunks are registered here and "
+            "answered meanwhile, their KV computed at question time; retry the ingest once the store is back",
             "kv_not_stored",
             headers={"Retry-After": str(state.settings.retry_after_s)},
             type="server_error",
