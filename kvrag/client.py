@@ -92,7 +92,8 @@ def ask_retrieving_via_server(url: str, question: str, *, top_k: int | None = No
     `ask_via_server`'s (method, recompute_ratio, max_new_tokens, temperature, stop_at, params, policy, timeout). Returns
     the answer's text, the engine's stats and the chunks it read (id, title, source; no text): none
     when the server found nothing (its index is empty) and answered as plain chat."""
-    ctx: dict[str, Any] = {"retrieve": True, **({"top_k": top_k} if top_k is not None else {})}
+    # cite: false: the text stays the model's (a --cite-sources server would append the sources returned here)
+    ctx: dict[str, Any] = {"retrieve": True, "cite": False, **({"top_k": top_k} if top_k is not None else {})}
     out = _ask(url, question, ctx, **options)
     found = [Chunk(id=str(s["id"]), text="", title=str(s.get("title") or ""), metadata={"source": s.get("source") or ""})
              for s in out.get("kvrag_sources") or []]

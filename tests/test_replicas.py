@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 from chroma_server import ChromaServer  # noqa: E402
 from conftest import SHORT_CONTEXT_ENV  # noqa: E402
 from test_backends import REDIS, RedisServer, free_port  # noqa: E402
+from test_index_metrics import metric, states  # noqa: E402
 
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
 
@@ -178,6 +179,9 @@ def test_the_index_server_killed_is_a_503_then_right_again_nothing_lost(cluster)
         r = a.http("POST", "/v1/chunks", json={"chunks": [{"id": "wasp", "text": "Wasps build paper nests.", "title": "Wasps"}]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "index_unavailable" and "retry-after" in r.headers
         assert b.http("DELETE", "/v1/chunks/ant").status_code == 503
+        for replica in (a, b):  # two refusals each (a question, and an ingest or a delete), and the state
+            seen = replica.http("GET", "/metrics", key=READ_KEY).text
+            assert metric(seen, "kvrag_index_unavailable_total") == 2.0 and states(seen)["unreachable"] == 1.0
         own = a.http("POST", "/v1/chat/completions", key=READ_KEY, json={  # a request's own context needs no index
             "model": "kvrag", "messages": [{"role": "user", "content": "owls?"}], "max_tokens": 2,
             "kvrag": {"chunks": [FACTS[0]]}})
@@ -187,9 +191,23 @@ def test_the_index_server_killed_is_a_503_then_right_again_nothing_lost(cluster)
     for replica in (a, b):
         assert [s["id"] for s in _sources(replica.ask("When do owls hunt?"))][0] == "owl"
         assert replica.http("GET", "/health", key=None).json()["chunks"]["retrievable"] == before
+        assert states(replica.http("GET", "/metrics", key=READ_KEY).text) == {"ok": 1.0, "unreachable": 0.0, "mismatch": 0.0, "off": 0.0}
     assert "ant" in [s["id"] for s in _sources(a.ask("Where do ants build nests?"))]  # the refused DELETE changed nothing
     assert a.http("POST", "/v1/chunks", json={"chunks": [{"id": "wasp", "text": "Wasps build paper nests.", "title": "Wasps"}]}).status_code == 200
     assert "wasp" in [s["id"] for s in _sources(b.ask("Which insects build paper nests?"))]
+
+
+def test_chat_openai_sees_what_the_answer_read_when_it_asks(cluster):
+    """LangChain's ChatOpenAI drops kvrag_sources; `"kvrag": {"cite": true}` puts them in the text it shows."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    _, _, b, _ = cluster
+    llm = langchain_openai.ChatOpenAI(base_url=b.url + "/v1", api_key=READ_KEY, model="kvrag", max_tokens=4, temperature=0,
+                                      max_retries=0, http_client=httpx.Client(trust_env=False, timeout=60))
+    assert "Sources:" not in llm.invoke("When did the Brannoch Line open?").content  # off unless asked
+    cited = llm.bind(extra_body={"kvrag": {"cite": True}})
+    content = cited.invoke("When did the Brannoch Line open?").content
+    assert "Sources:\n[1] brannoch (rail/brannoch.md)" in content, content
+    assert "".join(str(c.content) for c in cited.stream("When did the Brannoch Line open?")) == content  # streamed: a last piece
 
 
 def test_a_replica_with_another_embedding_model_refuses_to_start(cluster, monkeypatch, capsys):
@@ -205,3 +223,48 @@ def test_a_replica_with_another_embedding_model_refuses_to_start(cluster, monkey
     err = capsys.readouterr().err
     assert "bge-large-en/1024/normalized" in err and "embedding model" in err
     assert "loading model" not in err  # refused before any model loads
+
+
+# -- an id one replica holds in its own table, replaced or deleted through the other ---------------------------
+def _by_id(replica: Replica, chunk_id: str) -> httpx.Response:
+    return replica.http("POST", "/v1/chat/completions", key=READ_KEY, json={
+        "model": "kvrag", "messages": [{"role": "user", "content": "What is it?"}], "max_tokens": 1,
+        "kvrag": {"chunk_ids": [chunk_id]}})
+
+
+def _prompt_tokens_inline(replica: Replica, chunk: dict) -> int:
+    r = replica.http("POST", "/v1/chat/completions", key=READ_KEY, json={
+        "model": "kvrag", "messages": [{"role": "user", "content": "What is it?"}], "max_tokens": 1, "kvrag": {"chunks": [chunk]}})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_an_id_b_holds_replaced_through_a_is_answered_from_the_new_text_by_both(cluster):
+    _, a, b, _ = cluster
+    old = {"id": "kiwi", "text": "Kiwis are flightless birds.", "title": "Kiwis"}
+    new = {**old, "text": "Kiwi fruit grows on woody vines in New Zealand; it has a fuzzy brown skin, green flesh and "
+                          "rows of small black seeds around a pale core."}
+    assert b.http("POST", "/v1/chunks", json={"chunks": [old]}).status_code == 200  # B's own table holds "kiwi" now
+    before = _by_id(b, "kiwi")
+    assert before.status_code == 200 and before.json()["usage"]["prompt_tokens"] == _prompt_tokens_inline(b, old)
+    r = a.http("POST", "/v1/chunks", json={"chunks": [new], "replace": True})
+    assert r.status_code == 200, r.text
+    want = _prompt_tokens_inline(a, new)
+    assert want != before.json()["usage"]["prompt_tokens"]
+    for replica in (a, b):
+        after = _by_id(replica, "kiwi")
+        assert after.status_code == 200, after.text
+        assert after.json()["usage"]["prompt_tokens"] == want  # the new text, never the one B registered
+        assert after.json()["kvrag_stats"]["cache_hits"] == 1  # A's KV of the new text, through Redis
+
+
+def test_an_id_b_holds_deleted_through_a_is_chunk_not_found_on_both(cluster):
+    _, a, b, _ = cluster
+    fig = {"id": "fig", "text": "Fig trees are pollinated by tiny wasps.", "title": "Figs"}
+    assert b.http("POST", "/v1/chunks", json={"chunks": [fig]}).status_code == 200  # B's own table holds "fig"
+    assert _by_id(b, "fig").status_code == 200
+    assert a.http("DELETE", "/v1/chunks/fig").status_code == 200
+    for replica in (a, b):
+        gone = _by_id(replica, "fig")
+        assert gone.status_code == 400 and gone.json()["error"]["code"] == "chunk_not_found", gone.text
+    assert b.http("DELETE", "/v1/chunks/fig").status_code == 404  # nothing left anywhere to delete

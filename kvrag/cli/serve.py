@@ -57,6 +57,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "the index `kvrag ingest` fills, named in the response's kvrag_sources)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="chunks retrieved for a request that brings none")
     p.add_argument("--collection", default=d.collection, help="chroma collection to retrieve from (under $KVRAG_HOME/chroma, or on --index)")
+    p.add_argument("--cite-sources", action="store_true", default=d.cite_sources,
+                   help='end each answer the server retrieved for with "Sources: [1] <title> (<file>)", for OpenAI clients '
+                        "that show only the text (LangChain's ChatOpenAI drops kvrag_sources); a request's "
+                        '"kvrag": {"cite": true|false} overrides it (default: off: answers are what the model said)')
     add_index_option(p)
     p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
                    help="a key that may read and write (chat, models, metrics; POST/DELETE /v1/chunks), sent as "
@@ -98,6 +102,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         top_k=args.top_k,
         prefix_cache_mb=args.prefix_cache_mb,
         retrieval_turns=args.retrieval_turns,
+        cite_sources=args.cite_sources,
         collection=args.collection,
         index=getattr(args, "index", None),
         api_keys=_keys(args.api_keys, "KVRAG_API_KEYS"),

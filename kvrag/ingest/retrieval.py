@@ -11,9 +11,10 @@ a replica with another refuses it rather than retrieve nonsense.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvrag.ingest.index_url import (
@@ -175,6 +176,9 @@ class ChunkIndex:
             raise ValueError(f"collection name must have at least 3 characters, got {collection!r}")
         self.collection_name = collection
         self.sources_under = [os.fspath(p) for p in sources_under]
+        # how the last call to the index went: ok, unreachable or mismatch (what /metrics shows without
+        # calling the index itself, so a frozen index server never stalls a scrape)
+        self.state = "ok"
         self._client: Any = None
         self._coll: Any = None
         if self._where is not None:
@@ -206,8 +210,25 @@ class ChunkIndex:
         """`chroma://` (shared) or `embedded`: what /health says, with no host or path."""
         return "chroma://" if self.shared else "embedded"
 
+    @contextlib.contextmanager
+    def _observed(self) -> Iterator[None]:
+        """Record in `state` how this call to the index went (an error of another kind leaves it as it was)."""
+        try:
+            yield
+        except IndexUnavailableError:
+            self.state = "unreachable"
+            raise
+        except EmbeddingMismatchError:
+            self.state = "mismatch"
+            raise
+        self.state = "ok"
+
     def _connect(self) -> Any:
         """Open (or reopen) the collection and check that its vectors are this build's."""
+        with self._observed():
+            return self._open()
+
+    def _open(self) -> Any:
         if self._where is not None and self._client is None:
             self._client = open_http_client(self._where)
         with unavailable_as(self.path):
@@ -237,7 +258,7 @@ class ChunkIndex:
     def _run(self, op: Callable[[Any], T]) -> T:
         """`op(collection)`, transport failures as IndexUnavailableError; a collection the server no
         longer knows (restarted on an empty folder, dropped) is opened again once."""
-        with unavailable_as(self.path):
+        with self._observed(), unavailable_as(self.path):
             coll = self._collection
             try:
                 return op(coll)
@@ -266,7 +287,7 @@ class ChunkIndex:
         items = [self._named(c) for c in latest.values()]
         # Chroma rejects batches over its own limit.
         try:
-            with unavailable_as(self.path):
+            with self._observed(), unavailable_as(self.path):
                 batch_size = min(batch_size, int(self._client.get_max_batch_size()))
         except IndexUnavailableError:
             raise

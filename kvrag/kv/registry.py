@@ -1,5 +1,7 @@
 """Chunks by id: the request's chunks resolved to token ids and keys, the registry of known chunks,
-and the store's node-id index (so a process that never saw a chunk finds it by id).
+and the store's node-id index (so a process that never saw a chunk finds it by id, and one that holds
+a chunk another process rebound or removed learns it: `ChunkRegistry._still_bound`; the index's reads
+are kvrag.kv.id_index).
 
 `ChunkRegistry` is the id half of `KVRepository` (kvrag.kv.repository), which supplies the keys
 (`key`), entry checks (`valid`), the guarded store and the layout it relies on.
@@ -10,27 +12,22 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import Callable, Collection, Iterable, Iterator, Sequence
 
-from kvrag.cache_backends import KVEntry, content_key
+from kvrag.cache_backends import KVEntry
 from kvrag.errors import ChunkNotFoundError, EmptyRetrievalError
+from kvrag.kv.id_index import StoreIdIndex
 from kvrag.kv.kinds import KIND_CHUNK, KIND_SIMILARITY
 from kvrag.types import Chunk
-
-if TYPE_CHECKING:
-    from kvrag.cache_backends.guarded import GuardedStore
-    from kvrag.kv.layout import PromptLayout
-    from kvrag.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
 _REQUEST_SCOPED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvrag_request_scoped_chunks", default=False)
+RemovedJudge = Callable[[Sequence[str]], Collection[str]]
+_REMOVED_BY: contextvars.ContextVar[RemovedJudge | None] = contextvars.ContextVar("kvrag_removed_by", default=None)
 MAX_TOMBSTONES = 65536  # forgotten ids remembered where the store cannot unlink them (see `ChunkRegistry.unlink`)
-SHARE_SCAN_LIMIT = 10_000  # forgetting an id reads the store's whole id index only up to this many ids
 
 
 @dataclass
@@ -38,21 +35,6 @@ class ForgetReport:
     deleted: int = 0  # KV entries deleted
     kept: int = 0  # KV entries kept because another id still refers to them
     unlinked: bool = False  # the store's id index no longer resolves the ids
-
-
-def _count_files(root: Path, suffix: str, stop: int) -> int:
-    """Files ending in `suffix` under `root` (one level of folders), counting no further than `stop`."""
-    n = 0
-    try:
-        for d in os.scandir(root):
-            if d.is_dir(follow_symlinks=False):
-                for f in os.scandir(d.path):
-                    n += f.name.endswith(suffix)
-                    if n >= stop:
-                        return n
-    except FileNotFoundError:
-        pass
-    return n
 
 
 @contextlib.contextmanager
@@ -72,6 +54,25 @@ def request_scoped_chunks() -> Iterator[None]:
         _REQUEST_SCOPED.reset(token)
 
 
+@contextlib.contextmanager
+def removed_ids_by(judge: RemovedJudge | None) -> Iterator[None]:
+    """Within this block (this thread or task), an id this process holds but the store's node-id index
+    no longer binds is passed to `judge`, which says which of them were removed (by another process):
+    those are dropped from the registry and are ChunkNotFoundError, the others answered from this
+    process's text. Outside such a block (or with None) none is taken as removed: the store may have
+    lost its index (a Redis restarted empty) and this process's table refills it, as it always did.
+
+    Why a judge: an unlink and a lost index look alike in the store. The server knows better: with a
+    retrieval index (which every DELETE empties first) an id the index lacks was deleted; without one,
+    the store's index is every replica's registry (kvrag.server.chat).
+    """
+    token = _REMOVED_BY.set(judge)
+    try:
+        yield
+    finally:
+        _REMOVED_BY.reset(token)
+
+
 @dataclass
 class Resolved:
     """The chunks of one request: their token ids, plain-entry keys, and entries already loaded."""
@@ -85,12 +86,9 @@ class Resolved:
     whole: str | None = None  # its request's read-whole verdict (AnswerOptions.whole_reason_for), once decided
 
 
-class ChunkRegistry:
+class ChunkRegistry(StoreIdIndex):
     """Chunks by id, here and in the store's node-id index (the id half of KVRepository)."""
 
-    lm: LoadedModel
-    layout: PromptLayout
-    guarded: GuardedStore
     chunks: dict[str, Chunk]
     similarity_context: dict[str, str]  # chunk id -> digest of the neighbours its similarity entry was computed after
     _registry_lock: threading.Lock
@@ -126,12 +124,6 @@ class ChunkRegistry:
         if found is None:
             found = self.__dict__.setdefault("_forgotten", {})
         return found
-
-    @property
-    def namespace(self) -> str:
-        """The node-id index namespace: ids map to keys per (model, layout), so engines with another
-        model or system prompt sharing a store never overwrite each other's ids."""
-        return content_key(self.lm.fingerprint, self.layout.identity)[:16]
 
     def link(self, chunks: Sequence[Chunk]) -> None:
         """(Re)write these chunks' ids in the store's index: a store that lost its index (a Redis
@@ -193,71 +185,6 @@ class ChunkRegistry:
             report.deleted += 1
         return report
 
-    def _index_store(self) -> object:
-        """The store holding the node-id index: a tiered store keeps it in its bottom tier."""
-        store: object = self.guarded.store
-        while callable(getattr(store, "link", None)) and getattr(store, "lower", None) not in (None, store):
-            store = store.lower  # type: ignore[attr-defined]
-        return store
-
-    def _index_admin(self) -> object | None:
-        """The store-management view (kvrag.cache_backends.admin) of the index's store; None for other kinds."""
-        try:
-            from kvrag.cache_backends.admin.opening import open_admin
-
-            return open_admin(self._index_store())
-        except Exception:  # a store kind store_admin does not manage
-            return None
-
-    def _index_size(self, admin: object, stop: int) -> int | None:
-        """Ids in the store's node-id index, counted without reading them (disk: up to `stop`); None
-        for a kind whose index cannot be counted so."""
-        kind = getattr(admin, "kind", "")
-        if kind == "redis":
-            return int(admin.client.hlen(admin.rs._INDEX))  # type: ignore[attr-defined]
-        if kind == "disk":
-            return _count_files(Path(admin.store.root) / "index", ".ref", stop)  # type: ignore[attr-defined]
-        if kind == "memory":
-            return len(admin.links())  # type: ignore[attr-defined]  (in this process: cheap)
-        return None
-
-    def store_index_size(self, limit: int = SHARE_SCAN_LIMIT) -> int | None:
-        """How many ids the store's node-id index holds (every id any replica registered, for any model
-        sharing the store): what `/health` reports, so it stays cheap for a poller. None where that is
-        not cheap to count (more than `limit` on disk, a store kind without such an index) or the store fails."""
-        admin = self._index_admin()
-        if admin is None:
-            return None
-        try:
-            n = self._index_size(admin, limit + 1)
-        except Exception as exc:  # a store fault never fails a health check
-            log.warning("could not count the store's node-id index (%s)", exc)
-            return None
-        return None if n is None or n > limit else n
-
-    def _index_links(self) -> list | None:
-        """Every link in the store's node-id index, where reading them all is cheap: a memory index,
-        or a disk or Redis one holding at most SHARE_SCAN_LIMIT ids (counted without reading them).
-        None where it is not (or the store fails)."""
-        admin = self._index_admin()
-        if admin is None:
-            return None
-        try:
-            n = self._index_size(admin, SHARE_SCAN_LIMIT + 1)
-            if n is None:
-                return None
-            return admin.links() if n <= SHARE_SCAN_LIMIT else None  # type: ignore[attr-defined]
-        except Exception as exc:  # a store fault never fails a request
-            log.warning("could not read the store's node-id index (%s)", exc)
-            return None
-
-    def _keys_linked_by_others(self, keys: set[str], own: set[str]) -> set[str]:
-        """Which of `keys` some id other than `own` (namespaced ids) still points to in the store's index."""
-        links = self._index_links()
-        if links is None:
-            return set()
-        return {lk.key for lk in links if lk.key in keys and lk.user_id not in own}
-
     def unlink(self, chunk_ids: Sequence[str]) -> bool:
         """Drop these ids from the store's node-id index, so no process resolves them through it.
 
@@ -313,7 +240,12 @@ class ChunkRegistry:
         return res
 
     def lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None, allow_empty: bool = False) -> Resolved:
-        """Chunks given with text, or ids known here, or ids the store's node index can resolve."""
+        """Chunks given with text, or ids known here, or ids the store's node index can resolve.
+
+        An id known here is answered from this process's text only while the store's node-id index
+        does not bind it to other text (`_still_bound`): an id another process (a replica over the same
+        Redis, `kvrag ingest` over the same disk store) rebound is answered from the new text's entry,
+        and one it removed (as `removed_ids_by` judges) is ChunkNotFoundError, on the very next request."""
         if chunks:
             if _REQUEST_SCOPED.get():  # see request_scoped_chunks: answered from, never registered
                 return self.resolve(chunks, memo=False)
@@ -322,11 +254,13 @@ class ChunkRegistry:
             return Resolved(chunks=[])
         if not chunk_ids:
             raise EmptyRetrievalError("no chunks to answer from: pass chunk_ids=[...] or chunks=[...] (retrieval returned nothing?)")
-        from_store = self._entries_by_id([i for i in dict.fromkeys(chunk_ids) if i not in self.chunks])
+        wanted = list(dict.fromkeys(chunk_ids))
+        local = self._still_bound({i: c for i in wanted if (c := self.chunks.get(i)) is not None})
+        from_store = self._entries_by_id([i for i in wanted if i not in local])
         res = Resolved(chunks=[])
         for i, cid in enumerate(chunk_ids):
-            if cid in self.chunks:
-                chunk = self.chunks[cid]
+            if cid in local:
+                chunk = local[cid]
                 ids = self.layout.chunk_ids(chunk)
             else:  # known only to the store: the entry carries the token ids
                 entry = from_store[cid]
@@ -337,6 +271,34 @@ class ChunkRegistry:
             res.token_ids.append(ids)
             res.keys.append(self.key(KIND_CHUNK, ids))
         return res
+
+    def _still_bound(self, local: dict[str, Chunk]) -> dict[str, Chunk]:
+        """Those of `local` (chunks of this process's registry, by id) still bound to this text. The store's
+        node-id index is every process's registry: an id it binds to another key was rebound elsewhere (a
+        replica's `replace`, a re-ingest); an id it binds to none was removed elsewhere when the judge
+        says so (`removed_ids_by`). Either is dropped from this registry, so its old text is never
+        answered again here, and the caller resolves it through the store (the new text's entry, or
+        ChunkNotFoundError). Where the store cannot be read (down), this process's table answers."""
+        if not local:
+            return local
+        links = self.store_links(list(local))
+        if links is None:
+            return local
+        stale = {cid: c for (cid, c), key in zip(local.items(), links)
+                 if key is not None and key != self.key(KIND_CHUNK, self.layout.chunk_ids(c))}
+        unbound = [cid for cid, key in zip(local, links) if key is None]
+        judge = _REMOVED_BY.get()
+        if unbound and judge is not None:
+            removed = set(judge(unbound))
+            stale.update((cid, local[cid]) for cid in unbound if cid in removed)
+        if stale:
+            with self._registry_lock:
+                for cid, c in stale.items():
+                    if self.chunks.get(cid) is c:  # not registered anew meanwhile (that registration then stands)
+                        del self.chunks[cid]
+                        self.similarity_context.pop(cid, None)
+            log.info("%d chunk id(s) were replaced or removed through another process; this one's text is dropped", len(stale))
+        return {cid: c for cid, c in local.items() if cid not in stale}
 
     def _ids_once(self, chunk: Chunk) -> list[int]:
         """A chunk's token ids without memoising them (ids the layout already memoised are reused), so

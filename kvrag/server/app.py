@@ -17,7 +17,7 @@ from kvrag.server.errors import install_error_handlers
 from kvrag.server.gate import RequestGate
 from kvrag.server.limits import LimitsAndCounts
 from kvrag.kv.prefix_cache import PrefixCacheStats
-from kvrag.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvrag.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, index_state_of
 from kvrag.server.schemas import MODEL_ALIAS
 from kvrag.server.settings import ServerSettings
 from kvrag.server.state import ServerState
@@ -32,7 +32,7 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
     gate = RequestGate(settings.max_concurrency, settings.max_queue)
     prefix_cache = getattr(rag, "prefix_cache", None)
     metrics = ServerMetrics(gate, lambda: decode_batch_stats(getattr(rag.lm, "model", None)),
-                            prefix_cache.snapshot if prefix_cache is not None else PrefixCacheStats)
+                            prefix_cache.snapshot if prefix_cache is not None else PrefixCacheStats, lambda: index_state_of(index))
     app = FastAPI(title="kvrag", version=__version__, description="RAG answers from cached per-chunk KV, OpenAI-compatible.")
     app.state.kvrag = ServerState(rag=rag, settings=settings, gate=gate, metrics=metrics, index=index)
     install_error_handlers(app)

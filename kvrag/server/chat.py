@@ -8,7 +8,9 @@ turns, and the response names this turn's chunks in `kvrag_sources` (and the `X-
 header: their ids). An index it cannot reach is a 503 (index_unavailable), never an answer without
 the context it should have read. With retrieval off (`kvrag serve --no-retrieval`, or `"kvrag": {"retrieve":
 false}`), or nothing indexed, it is plain chat: the messages alone through the chat template. The engine's stats ride along as
-`kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`.
+`kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`. With `--cite-sources` (or the
+request's `"kvrag": {"cite": true}`) the answer's text ends with the retrieved documents' titles and files
+(kvrag.server.cite), for clients that show nothing but the text.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvrag.kv.registry import request_scoped_chunks
+from kvrag.kv.registry import removed_ids_by, request_scoped_chunks
 from kvrag.pipeline import AnswerStream
+from kvrag.server.cite import sources_block, with_sources
 from kvrag.server.errors import APIError, as_api_error, error_body, log
 from kvrag.server.gate import Slot
 from kvrag.chat import Conversation
@@ -61,6 +64,7 @@ class Started:
 
     stream: AnswerStream
     sources: list[dict[str, Any]] | None = None
+    cite: str = ""  # the sources block to append to the answer's text (kvrag.server.cite), or ""
 
 
 def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
@@ -91,19 +95,21 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
 
         def start() -> Started:
             check_token_count(state.count_tokens(texts), settings)
-            with request_scoped_chunks():
+            with request_scoped_chunks(), removed_ids_by(state.removed_ids):  # an id deleted through any replica: 400
                 return Started(rag.stream_chat(conv, ctx.chunk_ids, chunks=chunks, options=opts))
 
         return start
     retrieve = _retriever(state, req, conv)
     texts = message_texts(req.messages)
+    cite = settings.cite_sources if ctx is None or ctx.cite is None else ctx.cite
 
     def start_plain() -> Started:
         check_token_count(state.count_tokens(texts), settings)  # every message, as the engine reads them
         found = retrieve() if retrieve is not None else None
         with request_scoped_chunks():
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
-                return Started(rag.stream_chat(conv, chunks=found, options=opts), [source_of(c) for c in found])
+                sources = [source_of(c) for c in found]
+                return Started(rag.stream_chat(conv, chunks=found, options=opts), sources, sources_block(sources) if cite else "")
             # plain chat through the model's chat template; known chunks a client pasted into its messages are reused
             return Started(rag.complete_chat(conv, options=opts), None if found is None else [])
 
@@ -214,13 +220,15 @@ async def _events(state: ServerState, started: Started, finish: _Finish, req_id:
 
     try:
         yield _sse(chunk({"role": "assistant", "content": ""}, **sources))
-        started = False
+        said = False
         async for piece in pieces_async(stream):
-            if not started:  # the non-streaming answer is stripped; match it
+            if not said:  # the non-streaming answer is stripped; match it
                 piece = piece.lstrip()
-                started = bool(piece)
+                said = bool(piece)
             if piece:
                 yield _sse(chunk({"content": piece}))
+        if started.cite:  # after the model's last piece: what the answer read, for clients that show only text
+            yield _sse(chunk({"content": started.cite if said else started.cite.lstrip("\n")}))
         stats = stream.stats
         yield _sse(chunk({}, _finish_reason(stats, max_new), usage=_usage(stats), kvrag_stats=stats.as_dict(), **sources))
         yield "data: [DONE]\n\n"
@@ -271,7 +279,8 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
     finally:
         slot.release()
         state.metrics.observe_answer(stream.stats)
-    return JSONResponse(_completion(req_id, created, state.model_name, text.strip(), stream.stats, max_new, started.sources),
+    answer = with_sources(text.strip(), started.cite)
+    return JSONResponse(_completion(req_id, created, state.model_name, answer, stream.stats, max_new, started.sources),
                         headers=_source_headers(started.sources))
 
 

@@ -59,7 +59,9 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
     each chunk fitting the model's context) is checked before anything is registered: a refused
     request leaves no chunk behind, here or in the store's id index. When the store did not keep
     the KV of some computed chunks (down, frozen, full), the answer is a 503 whose `error.not_stored`
-    lists them (the chunks are registered: they are answered, computing their KV at question time).
+    lists them (the chunks are registered here and answered, their KV computed at question time, while the
+    store's id index binds them or cannot be read; an id it lost with the store is chunk_not_found until
+    ingested again: kvrag.kv.registry.removed_ids_by).
     """
     state: ServerState = request.app.state.kvrag
     check_chunk_count(len(body.chunks), state.settings)
@@ -109,8 +111,8 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
         raise APIError(
             503,
             f"the KV store did not keep the KV of {n} of {report.computed} computed chunks (is it reachable, or full?): "
-            f"{', '.join(map(repr, report.not_stored[:5]))}{' ...' if n > 5 else ''}. The chunks are registered and will be "
-            "computed at question time; retry the ingest once the store is back",
+            f"{', '.join(map(repr, report.not_stored[:5]))}{' ...' if n > 5 else ''}. The chunks are registered here and "
+            "answered meanwhile, their KV computed at question time; retry the ingest once the store is back",
             "kv_not_stored",
             headers={"Retry-After": str(state.settings.retry_after_s)},
             type="server_error",
@@ -142,21 +144,16 @@ def holdings(state: ServerState, chunks: list[Chunk], keys: list[str]) -> dict[s
 
 
 def _stored_keys(rag: KVRag, ids: list[str]) -> list[str | None]:
-    """The KV entry key each id is bound to: in the store's node-id index (every replica's), else in
-    this process's registry; None for an id nobody bound."""
+    """The KV entry key each id is bound to in the store's node-id index (every replica's); None for an
+    id it does not bind, whatever this process's table says (another replica may have deleted it). Only
+    where the store cannot be read is this process's registry asked instead."""
     if not ids:
         return []
     repo = rag.repo
-    try:
-        found = list(repo.guarded.resolve([f"{repo.namespace}/{i}" for i in ids]))
-    except Exception:  # a store without a node-id index (or unreachable): this process's registry alone
-        found = [None] * len(ids)
-    out: list[str | None] = []
-    for chunk_id, key in zip(ids, found):
-        if not key and chunk_id in repo.chunks:
-            key = repo.resolve([repo.chunks[chunk_id]]).keys[0]
-        out.append(key or None)
-    return out
+    found = repo.store_links(ids)
+    if found is not None:
+        return found
+    return [repo.resolve([repo.chunks[i]]).keys[0] if i in repo.chunks else None for i in ids]
 
 
 def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:

@@ -94,12 +94,21 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def _counted(request: Request, err: APIError) -> APIError:
+    """Count the refusals an operator alerts on (kvrag_index_unavailable_total)."""
+    if err.code == "index_unavailable":
+        state = getattr(request.app.state, "kvrag", None)
+        if state is not None:
+            state.metrics.index_unavailable.inc()
+    return err
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app can produce, rendered the same way."""
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
-        return api_error_response(exc)
+        return api_error_response(_counted(request, exc))
 
     @app.exception_handler(QueueFullError)
     async def _busy(request: Request, exc: QueueFullError) -> JSONResponse:
@@ -118,4 +127,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return api_error_response(as_api_error(exc))
+        return api_error_response(_counted(request, as_api_error(exc)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
@@ -14,17 +14,35 @@ from kvrag.server.gate import RequestGate
 from kvrag.types import AnswerStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INDEX_STATES = ("ok", "unreachable", "mismatch", "off")  # as /health names them
+
+
+def index_state_of(index: Any) -> str:
+    """What `kvrag_index_state` shows for a retrieval index: off without one, else how its last call went
+    (kvrag.ingest.retrieval.ChunkIndex.state). Read without calling the index: a frozen index server
+    never stalls a scrape."""
+    if index is None:
+        return "off"
+    state = getattr(index, "state", "ok")
+    return state if state in INDEX_STATES else "ok"
 
 
 class ServerMetrics:
     """What an operator watches: traffic by endpoint and status, TTFT, cache effectiveness, the queue."""
 
     def __init__(self, gate: RequestGate, batches: Callable[[], BatchStats] = BatchStats,
-                 prefixes: Callable[[], PrefixCacheStats] = PrefixCacheStats) -> None:
+                 prefixes: Callable[[], PrefixCacheStats] = PrefixCacheStats, index_state: Callable[[], str] = lambda: "off") -> None:
         """`batches`: the batched decoder's counts so far (kvrag.decode.batch.decode_batch_stats);
-        `prefixes`: the exact prefix cache's (kvrag.kv.prefix_cache.PrefixCache.snapshot)."""
+        `prefixes`: the exact prefix cache's (kvrag.kv.prefix_cache.PrefixCache.snapshot); `index_state`:
+        the retrieval index's state as of its last call (`index_state_of`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.index_unavailable = Counter("kvrag_index_unavailable", "Requests refused with 503 index_unavailable: the "
+                                         "retrieval index server did not answer (chat that retrieves, ingest, delete)", registry=r)
+        state = Gauge("kvrag_index_state", "The retrieval index's state as of its last call (a request or a /health check): "
+                      "1 for the current state, 0 for the others; off: no index (--no-retrieval)", ["state"], registry=r)
+        for name in INDEX_STATES:
+            state.labels(name).set_function(lambda name=name: float(index_state() == name))
         self.requests = Counter("kvrag_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.ttft = Histogram("kvrag_ttft_seconds", "Engine time to first token (prefill), per answer", buckets=TTFT_BUCKETS, registry=r)
         self.queue_wait = Histogram("kvrag_queue_wait_seconds", "Time a request waited for an engine slot", buckets=TTFT_BUCKETS, registry=r)

@@ -79,6 +79,8 @@ class KVRagContext(BaseModel):
     retrieve: bool | None = Field(default=None, description="without chunk_ids/chunks: retrieve from the server's index "
                                                            "(default: the server's setting), or false for plain chat")
     top_k: int | None = Field(default=None, ge=1, description="chunks retrieved (default: the server's --top-k)")
+    cite: bool | None = Field(default=None, description="append 'Sources: [1] <title> (<file>)' for the retrieved chunks to "
+                                                       "the answer's text (default: the server's --cite-sources, off)")
     prefix_cache: bool | None = Field(default=None, description="false: neither read this request's start from the exact "
                                                                 "prefix cache nor keep its KV there (default: on)")
 

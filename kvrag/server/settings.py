@@ -50,6 +50,9 @@ class ServerSettings:
     # the retrieval index: None, the embedded one under $KVRAG_HOME/chroma (`collection`); or a shared
     # `chroma://host:port/collection` (a `chroma run` every replica reads and writes: kvrag.ingest.index_url)
     index: str | None = None
+    # append "Sources: [1] <title> (<file>)" to answers the server retrieved for (kvrag.server.cite), for clients
+    # that show only the text; a request's `"kvrag": {"cite": ...}` overrides it. Off: answers are what the model said
+    cite_sources: bool = False
     # API keys (kvrag.server.auth): none, no authentication; else every route but /health needs
     # `Authorization: Bearer <key>`. api_keys may read and write (POST/DELETE /v1/chunks), read_keys only
     # read (chat, models, metrics). Never shown: not in repr, logs or errors.

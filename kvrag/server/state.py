@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 import anyio.to_thread
@@ -44,6 +44,18 @@ class ServerState:
     def count_tokens(self, texts: Iterable[str]) -> int:
         tok = self.rag.lm.tokenizer
         return sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts if t)
+
+    def removed_ids(self, ids: Sequence[str]) -> list[str]:
+        """Of the ids this replica holds whose link the store's id index no longer has, those deleted
+        (kvrag.kv.registry.removed_ids_by: a deleted id is chunk_not_found on every replica). With a
+        retrieval index, which every DELETE empties first and every ingest fills, the index decides: an
+        id it lacks was deleted, one it holds survived a store that lost its id index (a Redis
+        restarted empty); an unreachable index is a 503, never an answer from text that may be deleted.
+        Without one, the store's id index is every replica's registry: all of them."""
+        if self.index is None:
+            return list(ids)
+        held = {c.id for c in self.index.get(ids)}
+        return [i for i in ids if i not in held]
 
     @cached_property
     def model_facts(self) -> Model:

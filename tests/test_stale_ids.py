@@ -1,0 +1,153 @@
+"""An id another process rebinds or removes is seen at once by a process that holds it in its own table
+(kvrag.kv.registry: `ChunkRegistry._still_bound`). Two engines over one store stand for two replicas over one
+Redis (or `kvrag ingest` and `kvrag serve` over one disk store): real stores, a tiny model. The two-process
+version, over a real Redis and chroma, is in test_replicas.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import httpx
+
+from kvrag import Chunk, KVRag, from_model
+from kvrag.cache_backends.memory import MemoryStore
+from kvrag.errors import ChunkNotFoundError
+from kvrag.kv.registry import removed_ids_by
+from kvrag.server import create_app
+from test_backends import RedisServer, needs_redis
+from test_server import SETTINGS, LiveServer
+from tiny import tiny_model, tiny_tokenizer
+
+OLD = Chunk("kiwi", "Kiwis are flightless birds.", title="Kiwis")
+NEW = Chunk("kiwi", "Kiwi fruit grows on woody vines and has a fuzzy brown skin.", title="Kiwis")
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return from_model(tiny_model("llama"), tiny_tokenizer())
+
+
+def two(lm, store) -> tuple[KVRag, KVRag]:
+    """Two engines, one store: what each registers is its own table, what the store links is shared."""
+    return KVRag(lm, store=store), KVRag(lm, store=store)
+
+
+def tokens(rag: KVRag, chunk_id: str) -> list[int]:
+    return rag.repo.lookup([chunk_id], None).token_ids[0]
+
+
+def test_an_id_rebound_elsewhere_is_answered_from_the_new_text(lm):
+    a, b = two(lm, MemoryStore())
+    b.precompute([OLD], progress=False)
+    assert tokens(b, "kiwi") == b.layout.chunk_ids(OLD)
+    a.precompute([NEW], progress=False)  # "kiwi" now names other text, for every process sharing the store
+    assert tokens(b, "kiwi") == a.layout.chunk_ids(NEW)
+    assert "kiwi" not in b.repo.chunks  # its old text is gone from b's table, not merely bypassed once
+    assert b.answer("What is it?", chunk_ids=["kiwi"], max_new_tokens=1).stats.cache_hits == 1  # a's KV of the new text
+
+
+def test_an_id_removed_elsewhere_is_not_found_where_the_judge_says_removed(lm):
+    a, b = two(lm, MemoryStore())
+    fig = Chunk("fig", "Fig trees are pollinated by tiny wasps.")
+    b.precompute([fig], progress=False)
+    a.repo.forget_report(a.repo.lookup(["fig"], None))  # what DELETE /v1/chunks/fig does on another replica
+    with removed_ids_by(lambda ids: []):  # the judge says it survived (a store that lost its id index)
+        assert tokens(b, "fig") == b.layout.chunk_ids(fig)
+    with removed_ids_by(lambda ids: ids), pytest.raises(ChunkNotFoundError):  # the judge says deleted (the server's)
+        b.answer("What is it?", chunk_ids=["fig"], max_new_tokens=1)
+    assert "fig" not in b.repo.chunks
+    b.precompute([fig], progress=False)  # ingested again: answered again, by both
+    assert tokens(a, "fig") == tokens(b, "fig") == b.layout.chunk_ids(fig)
+
+
+def test_a_lookup_beside_replaces_sees_one_text_or_the_other_and_the_last_once_done(lm):
+    a, b = two(lm, MemoryStore())
+    b.precompute([OLD], progress=False)
+    texts = {tuple(b.layout.chunk_ids(OLD)), tuple(b.layout.chunk_ids(NEW))}
+    seen: list[tuple[int, ...]] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                seen.append(tuple(tokens(b, "kiwi")))
+            except BaseException as exc:  # noqa: BLE001 - any failure is the test's answer
+                errors.append(exc)
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(11):  # the last write is NEW
+            a.precompute([NEW if i % 2 == 0 else OLD], progress=False)
+    finally:
+        done.set()
+        reader.join(30)
+    assert not errors and seen and set(seen) <= texts
+    assert tokens(b, "kiwi") == a.layout.chunk_ids(NEW)  # the last write, once it has returned
+
+
+@needs_redis
+def test_a_store_that_cannot_be_read_or_lost_its_index_leaves_this_process_table_answering(lm):
+    redis = RedisServer()
+    redis.start()
+    try:
+        a, b = two(lm, redis.url)
+        b.precompute([OLD], progress=False)
+        redis.stop()  # the store cannot say whether the id is still bound: b's own table answers, as before
+        assert tokens(b, "kiwi") == b.layout.chunk_ids(OLD)
+        redis.start()  # back, empty (no persistence): an unlink and a lost index look alike, and the library
+        time.sleep(1.2)  # (no judge: kvrag.kv.registry.removed_ids_by) keeps serving what it holds
+        assert tokens(b, "kiwi") == b.layout.chunk_ids(OLD)
+        with pytest.raises(ChunkNotFoundError):
+            tokens(a, "kiwi")  # never knew it
+    finally:
+        redis.stop()
+
+
+# -- the server's judge: without a retrieval index the store decides, with one the index does -------------------
+def _by_id(url: str, chunk_id: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=60, trust_env=False, json={
+        "model": "kvrag", "messages": [{"role": "user", "content": "What is it?"}], "max_tokens": 1,
+        "kvrag": {"chunk_ids": [chunk_id]}})
+
+
+def test_replicas_without_an_index_refuse_an_id_deleted_through_either(lm):
+    store = MemoryStore()  # one store, two servers: replicas over one Redis, in one process
+    fig = {"id": "fig", "text": "Fig trees are pollinated by tiny wasps."}
+    with LiveServer(create_app(KVRag(lm, store=store), SETTINGS)) as a, LiveServer(create_app(KVRag(lm, store=store), SETTINGS)) as b:
+        assert httpx.post(f"{b.url}/v1/chunks", json={"chunks": [fig]}, trust_env=False, timeout=60).status_code == 200
+        assert _by_id(b.url, "fig").status_code == 200
+        assert httpx.delete(f"{a.url}/v1/chunks/fig", trust_env=False, timeout=60).status_code == 200
+        for url in (a.url, b.url):
+            gone = _by_id(url, "fig")
+            assert gone.status_code == 400 and gone.json()["error"]["code"] == "chunk_not_found", gone.text
+        again = httpx.post(f"{b.url}/v1/chunks", json={"chunks": [{**fig, "text": "Figs grow on trees."}]}, trust_env=False, timeout=60)
+        assert again.status_code == 200, again.text  # deleted: free for new text, no 409 from b's old copy
+        assert _by_id(a.url, "fig").status_code == 200
+
+
+@needs_redis
+def test_with_an_index_an_id_it_holds_survives_a_store_restarted_empty(lm, tmp_path):
+    from kvrag.ingest.retrieval import ChunkIndex
+
+    redis = RedisServer()
+    redis.start()
+    try:
+        rag = KVRag(lm, store=redis.url)
+        with LiveServer(create_app(rag, SETTINGS, ChunkIndex(tmp_path / "chroma"))) as live:
+            chunk = {"id": "kiwi", "text": OLD.text, "title": OLD.title}
+            assert httpx.post(f"{live.url}/v1/chunks", json={"chunks": [chunk]}, trust_env=False, timeout=60).status_code == 200
+            redis.stop()
+            redis.start()  # empty: the store's id index is lost, the retrieval index still holds "kiwi"
+            time.sleep(0.2)
+            r = _by_id(live.url, "kiwi")
+            assert r.status_code == 200 and r.json()["kvrag_stats"]["cache_misses"] == 1, r.text  # recomputed from its text
+            assert httpx.delete(f"{live.url}/v1/chunks/kiwi", trust_env=False, timeout=60).status_code == 200
+            assert _by_id(live.url, "kiwi").json()["error"]["code"] == "chunk_not_found"
+    finally:
+        redis.stop()
