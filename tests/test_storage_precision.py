@@ -107,3 +107,24 @@ def test_the_projection_of_a_corpus_matches_what_ingesting_it_stores(tmp_path, p
     stored = sum(p.stat().st_size for p in (tmp_path / "kv" / "entries").rglob("*") if p.is_file())
     assert projection.chunks == len(chunks)
     assert abs(projection.total(precision) - stored) < 0.1 * stored, (projection.total(precision), stored)
+
+
+def test_the_storage_rule_picks_the_narrowest_precision_that_keeps_every_sets_answers():
+    from kvrag.eval.storage_eval import choose, summarise
+
+    def records(changed: dict[str, int]) -> list[dict]:
+        out = []
+        for i in range(10):
+            for precision in ("", "bf16", "int8"):
+                answer = "1893" if i >= changed.get(precision or "none", 0) else "It opened in 1893, in spring"
+                name = "reuse" + (f"{{{precision}}}" if precision else "")
+                out.append({"example": f"q{i}", "setting": name, "answer": answer, "contains": "1893" in answer,
+                            "agree": 1.0, "ttft_s": 0.1})
+        return out
+
+    both_hold = {"facts": summarise(records({})), "nq10": summarise(records({"int8": 1}))}
+    assert both_hold["nq10"]["reuse|int8"]["agree_fp32"] == 0.9 and choose(both_hold)[0] == "int8"
+    int8_fails = {"facts": summarise(records({})), "nq10": summarise(records({"int8": 2}))}
+    chosen, notes = choose(int8_fails)
+    assert chosen == "bf16" and any("nq10 reuse" in n for n in notes)
+    assert choose({"facts": summarise(records({"bf16": 3, "int8": 3}))})[0] == "none"

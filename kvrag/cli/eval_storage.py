@@ -11,7 +11,7 @@ from kvrag.errors import KVRagError
 
 def cmd_eval_storage(args: argparse.Namespace) -> int:
     from kvrag.engine import KVRag
-    from kvrag.eval.storage_eval import run_storage, store_url, write
+    from kvrag.eval.storage_eval import report, run_storage, store_url, write
     from kvrag.eval.suite import SETS
 
     sets = [s for s in args.sets.split(",") if s]
@@ -23,8 +23,13 @@ def cmd_eval_storage(args: argparse.Namespace) -> int:
     length = int(args.lengths.split(",")[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rag = KVRag.from_pretrained(args.model, store=store_url(out, "none"), device=args.device, link_adapter="links")
-    result = run_storage(rag, sets, length, out, Path(args.data_dir), args.n)
+    if args.report_only:  # what OUT holds so far: no model, no new answers
+        from kvrag.model.loading import load_config, resolve_dtype
+
+        result = report(out, sets, length, load_config(args.model), resolve_dtype("auto", args.device), args.model or "bundled")
+    else:
+        rag = KVRag.from_pretrained(args.model, store=store_url(out, "none"), device=args.device, link_adapter="links")
+        result = run_storage(rag, sets, length, out, Path(args.data_dir), args.n)
     result["command"] = "kvrag " + " ".join(getattr(args, "argv", []))
     write(result, out)
     print((out / "storage.md").read_text())

@@ -72,14 +72,17 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if ref is None:
             continue
         row = out.setdefault(f"{base}|{precision}", {"setting": base, "precision": precision, "n": 0, "agree_fp32": 0,
-                                                     "contains": 0, "agree_full": 0})
+                                                     "contains": 0, "agree_full": 0, "ttft_ratios": []})
         row["n"] += 1
+        row["ttft_ratios"].append(ref["ttft_s"] / max(r["ttft_s"], 1e-9))
         row["agree_fp32"] += int(_same(r["answer"], ref["answer"]))
         row["contains"] += r["contains"]
         row["agree_full"] += r["agree"]
     for row in out.values():
         n = max(1, row["n"])
-        row.update(agree_fp32=row["agree_fp32"] / n, contains=row["contains"] / n, agree_full=row["agree_full"] / n)
+        ratios = sorted(row.pop("ttft_ratios"))
+        row.update(agree_fp32=row["agree_fp32"] / n, contains=row["contains"] / n, agree_full=row["agree_full"] / n,
+                   ttft_vs_fp32=ratios[len(ratios) // 2] if ratios else 1.0)  # median, paired per question
     return out
 
 
@@ -133,13 +136,19 @@ def run_storage(rag: Any, sets: Sequence[str], length: int, out: Path, data: Pat
         spec = SETS[name]
         examples = spec.build(data, n or spec.n)
         folder = out / name / f"len{length}"
-        records = run(engines["none"], examples, storage_settings(), folder, max_new_tokens=length, progress=progress,
-                      variants=variants)
-        blocks[name] = summarise(load_records(records))
-    cfg = lm.model.config
-    layers, heads = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    element = lm.dtype.itemsize if hasattr(lm.dtype, "itemsize") else 4
+        run(engines["none"], examples, storage_settings(), folder, max_new_tokens=length, progress=progress,
+            variants=variants)
+    return report(out, sets, length, lm.model.config, lm.dtype, getattr(lm, "source", ""))
+
+
+def report(out: Path, sets: Sequence[str], length: int, config: Any, dtype: Any, model: str) -> dict[str, Any]:
+    """The table of what OUT holds (no model needed: the configuration sizes the KV)."""
+    from kvrag.ingest.projection import kv_shape
+
+    blocks = {name: summarise(load_records(out / name / f"len{length}" / "records.jsonl")) for name in sets
+              if (out / name / f"len{length}" / "records.jsonl").is_file()}
+    layers, heads, head_dim = kv_shape(config)
+    element = dtype.itemsize
     sizes = {}
     for p in PRECISIONS:
         files, total = _entry_sizes(out / f"kv-{p}")
@@ -147,7 +156,7 @@ def run_storage(rag: Any, sets: Sequence[str], length: int, out: Path, data: Pat
                     "entries": files, "mean_entry_bytes": total / files if files else 0.0}
     chosen, notes = choose(blocks)
     return {"blocks": blocks, "sizes": sizes, "chosen": chosen, "notes": notes, "length": length,
-            "model": getattr(lm, "source", ""), "dtype": str(lm.dtype).replace("torch.", ""), "hardware": hardware()}
+            "model": model, "dtype": str(dtype).replace("torch.", ""), "hardware": hardware()}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -157,14 +166,15 @@ def markdown(result: dict[str, Any]) -> str:
     for p, s in sizes.items():
         lines.append(f"| {p if p != 'none' else 'float32 (as computed)'} | {s['bytes_per_token']:,.0f} | "
                      f"{s['mean_entry_bytes'] / 1e6:.2f} MB | {s['entries']} |")
-    lines += ["", "Same answer as float32 storage (and gold contained), per set and setting:", "",
+    lines += ["", "Same answer as float32 storage (gold contained; median TTFT speed-up over float32 storage, paired "
+              "per question), per set and setting:", "",
               "| set | setting | n | " + " | ".join(PRECISIONS) + " |", "|---|---|---|" + "---|" * len(PRECISIONS)]
     for name, rows in result["blocks"].items():
         for setting in sorted({r["setting"] for r in rows.values()}):
             cells = []
             for p in PRECISIONS:
                 r = rows.get(f"{setting}|{p}")
-                cells.append("-" if r is None else f"{r['agree_fp32']:.2f} (gold {r['contains']:.2f})")
+                cells.append("-" if r is None else f"{r['agree_fp32']:.2f} (gold {r['contains']:.2f}; {r['ttft_vs_fp32']:.2f}x)")
             n = rows.get(f"{setting}|none", {}).get("n", 0)
             lines.append(f"| {name} | {setting} | {n} | " + " | ".join(cells) + " |")
     lines += ["", f"**Chosen: {result['chosen']}** (rule: the narrowest precision whose answers equal float32 storage's on "
