@@ -92,7 +92,7 @@ def test_a_tiered_store_keys_entries_by_its_coarsest_tier(tmp_path):
 @pytest.mark.parametrize("precision", ["none", "bf16", "int8"])
 def test_the_projection_of_a_corpus_matches_what_ingesting_it_stores(tmp_path, precision):
     from kvrag.ingest.documents import load_documents
-    from kvrag.ingest.projection import project
+    from kvrag.kv.projection import project
     from kvrag.ingest.samples import sample_corpus_dir
 
     folder = tmp_path / "model"

@@ -154,7 +154,7 @@ def _store_command(args: argparse.Namespace) -> int:
     if args.store_command == "stats":
         st = store_stats(admin)
         if args.project:
-            from kvrag.ingest.projection import format_projection, project
+            from kvrag.kv.projection import format_projection, project
 
             projection = project(args.project, args.model)
             st["projection"] = projection.as_dict()

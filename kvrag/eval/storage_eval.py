@@ -143,7 +143,7 @@ def run_storage(rag: Any, sets: Sequence[str], length: int, out: Path, data: Pat
 
 def report(out: Path, sets: Sequence[str], length: int, config: Any, dtype: Any, model: str) -> dict[str, Any]:
     """The table of what OUT holds (no model needed: the configuration sizes the KV)."""
-    from kvrag.ingest.projection import kv_shape
+    from kvrag.kv.projection import kv_shape
 
     blocks = {name: summarise(load_records(out / name / f"len{length}" / "records.jsonl")) for name in sets
               if (out / name / f"len{length}" / "records.jsonl").is_file()}
