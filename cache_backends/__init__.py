@@ -35,6 +35,7 @@ from .memory import MemoryStore
 from .tiered import TieredStore
 
 __all__ = [
+    "default_disk_url",
     "ByteStore",
     "CorruptEntryError",
     "DiskStore",
@@ -106,6 +107,15 @@ def _read_mode(q: dict) -> str:
     return value
 
 
+def default_disk_url(root: str | Path, pin: bool = False) -> str:
+    """The default disk store at `root`: KV kept at `DEFAULT_DISK_PRECISION` (kvrag.defaults), so what
+    `kvrag ingest` writes is what an engine's default store reads (the precision is in every key)."""
+    from kvrag.defaults import DEFAULT_DISK_PRECISION
+
+    root = Path(root).expanduser().absolute()
+    return f"disk://{root}?quantize={DEFAULT_DISK_PRECISION}" + ("&pin=1" if pin else "")
+
+
 def default_store_url(root: str | Path, device: str | torch.device | None = None) -> str:
     """The store stack for `device` when none is configured: GPU memory (10% of the GPU, at most
     2 GiB) -> pinned host RAM (25% of RAM) -> disk on CUDA; memory (2 GiB) -> disk on the CPU."""
@@ -114,8 +124,8 @@ def default_store_url(root: str | Path, device: str | torch.device | None = None
     if dev.type == "cuda":
         total = torch.cuda.get_device_properties(dev).total_memory if torch.cuda.is_available() else 0
         gpu = min(DEFAULT_MEMORY_BYTES, int(0.1 * total)) or DEFAULT_MEMORY_BYTES
-        return f"tiered://?tiers=memory://?device={dev}&max_bytes={gpu}|host://?pin=1|disk://{root}?pin=1"
-    return f"tiered://?tiers=memory://?max_bytes={DEFAULT_MEMORY_BYTES}|disk://{root}"
+        return f"tiered://?tiers=memory://?device={dev}&max_bytes={gpu}|host://?pin=1|{default_disk_url(root, pin=True)}"
+    return f"tiered://?tiers=memory://?max_bytes={DEFAULT_MEMORY_BYTES}|{default_disk_url(root)}"
 
 
 def _split_tiered(url: str) -> tuple[dict, list[str]]:
@@ -161,7 +171,7 @@ def open_store(url: str | None = None, default_root: str | Path | None = None, d
             raise StoreError("no store URL and no default folder given")
         if device is not None:
             return open_store(default_store_url(default_root, device))
-        return DiskStore(default_root)
+        return open_store(default_disk_url(default_root))
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
     if scheme in REDIS_SCHEMES:  # its options are the Redis store's own business

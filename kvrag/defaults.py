@@ -45,6 +45,10 @@ DEFAULT_SHORT_CONTEXT = 768
 DEFAULT_RECORDS_WHOLE = True
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"
+# The precision the default disk store keeps KV at (an explicit `disk://` URL keeps what it says, exact
+# without `quantize=`), chosen by `kvrag eval storage`'s rule (docs/bench/storage): bf16 gave float32
+# storage's answers on every set; int8 did not.
+DEFAULT_DISK_PRECISION = "bf16"
 
 STOP_RULES = ("none", "line", "sentence")  # when an answer is complete (kvrag.decode.stream)
 # Prompt-lookup drafts fed with each CPU decode step (kvrag.decode.draft) of a float32 model: the answer

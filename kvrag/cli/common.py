@@ -7,7 +7,7 @@ import os
 import sys
 
 from kvrag.cli.args import DECODE_WEIGHTS_HELP, link_adapter_arg
-from kvrag.defaults import DECODE_WEIGHTS
+from kvrag.defaults import DECODE_WEIGHTS, DEFAULT_DISK_PRECISION
 from kvrag.errors import KVRagError
 
 DEFAULT_K = 5  # chunks retrieved per question
@@ -15,7 +15,7 @@ DEFAULT_K = 5  # chunks retrieved per question
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """--store, --model, --device, --collection, --link-adapter: which engine and index a command opens."""
-    p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help="KV store URL (default: disk under $KVRAG_HOME/kv)")
+    p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help=f"KV store URL (default: memory in front of disk under $KVRAG_HOME/kv, quantize={DEFAULT_DISK_PRECISION})")
     p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
     p.add_argument("--collection", default="kvrag_chunks", help="chroma collection (under $KVRAG_HOME/chroma, or on --index)")

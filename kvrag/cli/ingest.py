@@ -233,7 +233,9 @@ def _ingest_locally(args: argparse.Namespace, files: list[Path], skipped: list[s
     from kvrag.kv.repository import PrecomputeReport
 
     if args.store is None:  # ingest writes to the disk only: a memory tier in front would fill with what this process never reads
-        args.store = f"disk://{kvrag_home() / 'kv'}"
+        from kvrag.cache_backends import default_disk_url
+
+        args.store = default_disk_url(kvrag_home() / "kv")
     rag, index = open_engine()
     t0 = time.perf_counter()
     total, not_stored, stopped = PrecomputeReport(), [], []

@@ -7,7 +7,7 @@ import os
 
 from kvrag.cli.args import DECODE_WEIGHTS_HELP, HelpFormatter, link_adapter_arg, ratio_or_auto
 from kvrag.cli.common import add_index_option
-from kvrag.defaults import DECODE_WEIGHTS, DEFAULT_METHOD, TUNED_METHOD
+from kvrag.defaults import DECODE_WEIGHTS, DEFAULT_DISK_PRECISION, DEFAULT_METHOD, TUNED_METHOD
 from kvrag.server.settings import ServerSettings
 
 EPILOG = """examples:
@@ -37,7 +37,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--host", default=argparse.SUPPRESS,
                    help=f"interface to bind (default: {d.host}, this machine only); any other is reachable by others: give API keys")
     p.add_argument("--port", type=int, default=d.port, help="TCP port")
-    p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help="KV store URL (default: disk under $KVRAG_HOME/kv); redis://... to share it between replicas")
+    p.add_argument("--store", default=os.environ.get("KVRAG_STORE"), help=f"KV store URL (default: memory in front of disk under $KVRAG_HOME/kv, quantize={DEFAULT_DISK_PRECISION}); redis://... to share it between replicas")
     p.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help="HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=d.device, help="auto (CUDA when present), cuda or cpu")
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="requests running on the engine at once")

@@ -20,7 +20,9 @@ from kvrag.errors import KVRagError
 def _default_store() -> str:
     from kvrag.defaults import kvrag_home
 
-    return os.environ.get("KVRAG_STORE") or f"disk://{kvrag_home() / 'kv'}"
+    from kvrag.defaults import DEFAULT_DISK_PRECISION  # the string of cache_backends.default_disk_url, without torch
+
+    return os.environ.get("KVRAG_STORE") or f"disk://{(kvrag_home() / 'kv').expanduser().absolute()}?quantize={DEFAULT_DISK_PRECISION}"
 
 
 def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -34,7 +34,9 @@ def data_dir() -> Path:
 
 def default_store_url(folder: Path) -> str:
     """A disk store inside the demo folder, so the demo never touches the CLI's default store."""
-    return f"disk://{(folder / 'kv').resolve()}"
+    from kvrag.cache_backends import default_disk_url
+
+    return default_disk_url((folder / "kv").resolve())
 
 
 def redact_url(url: str) -> str:
