@@ -181,8 +181,10 @@ def markdown(result: dict[str, Any]) -> str:
               f">= {AGREE_FLOOR:.0%} of every set's questions, gold rate within one standard error).", ""]
     lines += [f"- {n}" for n in result["notes"]]
     hw = result["hardware"]
-    lines += ["", f"Hardware: {hw.get('cpu', hw.get('machine'))}, {hw.get('threads')} threads, torch {hw.get('torch')}.", ""]
-    return "\n".join(lines)
+    lines += ["", f"Hardware: {hw.get('cpu', hw.get('machine'))}, {hw.get('threads')} threads, torch {hw.get('torch')}."]
+    if result.get("command"):
+        lines += ["", f"Command: `{result['command']}`"]
+    return "\n".join(lines + [""])
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:
