@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrag.defaults import DEFAULT_DISK_PRECISION
 from kvrag import Chunk, KVRag, from_model
 from kvrag.cli import app as cli
 from kvrag.ingest import documents
@@ -139,7 +140,9 @@ def test_precompute_memory_does_not_grow_with_the_number_of_chunks(tmp_path):
     peak_400, alive_400 = _precompute_peaks(400, tmp_path)
     # no chunk's KV outlives its batch: it is stored and dropped before the next batch is computed
     assert alive_100 == 0 and alive_400 == 0, (alive_100, alive_400)
-    assert peak_400 <= 1.5 * peak_100, (peak_100, peak_400)
+    # a chunk's KV here is ~90 KB, so 300 more chunks' KV held would add ~27 MB; the registries' few hundred
+    # bytes a chunk of ids and text (kept by design) and one-off allocations of earlier tests are allowed
+    assert peak_400 <= 1.5 * peak_100 + (1 << 20), (peak_100, peak_400)
 
 
 # --- documents are read as they stream ---------------------------------------------------------
@@ -330,7 +333,8 @@ def test_ingest_writes_to_the_disk_store_only_by_default(tmp_path, cli_engine, c
     opened, _ = cli_engine
     doc = _doc(tmp_path, 5)
     assert cli.main(["ingest", str(doc), "--collection", "defaults"]) == 0
-    assert opened[-1]["store"] == f"disk://{tmp_path / 'home' / 'kv'}"  # no memory tier filling up in front
+    # no memory tier filling up in front; the default disk store's precision (what the engine's default reads)
+    assert opened[-1]["store"] == f"disk://{tmp_path / 'home' / 'kv'}?quantize={DEFAULT_DISK_PRECISION}"
 
 
 # --- item 11: symlinks and bad files ----------------------------------------------------------

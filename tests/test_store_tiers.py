@@ -26,7 +26,8 @@ from kvrag.cache_backends import (
     tier_urls,
 )
 from kvrag.cache_backends.disk import DEFAULT_MAX_BYTES
-from kvrag.cache_backends.format import FORMAT_VERSION, StaleEntryError, decode_entry, encode_entry
+from kvrag.cache_backends.format import FORMAT_VERSION, StaleEntryError, decode_entry, encode_entry, storage_of
+from kvrag.defaults import DEFAULT_DISK_PRECISION
 from kvrag.cache_backends.host import BufferPool, physical_memory
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -400,12 +401,14 @@ def test_tiered_get_waits_for_entries_in_flight(tmp_path):
 # -- the default stack -------------------------------------------------------------------------------
 def test_default_store_url_per_device(tmp_path):
     cpu = default_store_url(tmp_path, "cpu")
-    assert cpu.startswith("tiered://?tiers=memory://") and cpu.endswith(f"|disk://{tmp_path}")
+    assert cpu.startswith("tiered://?tiers=memory://") and cpu.endswith(f"|disk://{tmp_path}?quantize={DEFAULT_DISK_PRECISION}")
     gpu = default_store_url(tmp_path, "cuda")
-    assert "memory://?device=cuda" in gpu and "|host://?pin=1|" in gpu and gpu.endswith("?pin=1")
+    assert "memory://?device=cuda" in gpu and "|host://?pin=1|" in gpu and gpu.endswith(f"?quantize={DEFAULT_DISK_PRECISION}&pin=1")
     store = open_store(None, tmp_path, device="cpu")
     assert isinstance(store, TieredStore) and store.names == ["memory", "disk"]
-    assert isinstance(open_store(None, tmp_path), DiskStore)  # no device: today's plain disk store
+    assert storage_of(store.quantize) == DEFAULT_DISK_PRECISION  # what the default keys its entries by
+    plain = open_store(None, tmp_path)  # no device: a plain disk store at the default precision
+    assert isinstance(plain, DiskStore) and storage_of(plain.quantize) == DEFAULT_DISK_PRECISION
 
 
 # -- CUDA: pinned buffers and the GPU tier -----------------------------------------------------------
