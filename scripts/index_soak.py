@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -49,14 +48,9 @@ class ChromaProcess:
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", CHROMA_CLI, "run", "--path", str(self.path), "--host", "127.0.0.1",
                                       "--port", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"chroma run did not start on port {self.port}")
+        from soak_faults import wait_for_port
+
+        wait_for_port(self.port, 60, "chroma run")
 
     def kill9(self) -> None:
         if self.proc is not None:

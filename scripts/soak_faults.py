@@ -21,6 +21,18 @@ log = logging.getLogger("fault_soak")
 
 
 # -- redis-server, started and abused here --------------------------------------------------------
+def wait_for_port(port: int, seconds: float, what: str) -> None:
+    """Return once something accepts connections on 127.0.0.1:`port`; RuntimeError after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"{what} did not start on port {port}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,14 +60,7 @@ class RedisProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        wait_for_port(self.port, 10, "redis-server")
 
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
