@@ -98,12 +98,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     dc.add_argument("--device", default=None, help="auto (CUDA when present), cuda or cpu")
     dc.set_defaults(func=_run("cmd_bench_decode"))
     bench.set_defaults(func=_run("cmd_bench"))
-    ev.set_defaults(func=_eval)
+    ev.set_defaults(func=_eval_command)
     dv.set_defaults(func=_run("cmd_bench_deviation"))
     sb.set_defaults(func=_run("cmd_bench_store"))
 
 
-def _eval(args: argparse.Namespace) -> int:
+def _eval_command(args: argparse.Namespace) -> int:
     if args.suite == "storage":
         from kvrag.cli.eval_storage import cmd_eval_storage
 
