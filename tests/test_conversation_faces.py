@@ -43,15 +43,16 @@ def test_the_server_passes_the_whole_conversation_and_continues_the_previous_tur
 def test_a_follow_up_retrieves_with_the_recent_user_turns(tmp_path):
     rag = tiny_rag()
     index = ChunkIndex(tmp_path / "chroma")
-    seen: list[str] = []
-    query = index.query
-    index.query = lambda q, k=5: (seen.append(q), query(q, k))[1]  # record what retrieval was asked
+    seen: list[list[str]] = []
+    query_many = index.query_many
+    index.query_many = lambda qs, k=5: (seen.append(list(qs)), query_many(qs, k))[1]  # record what retrieval was asked
     with LiveServer(create_app(rag, SETTINGS, index)) as live, httpx.Client(base_url=live.url, timeout=60, trust_env=False) as http:
         http.post("/v1/chunks", json={"chunks": chunk_json(THREE_CHUNKS)})
         m = [{"role": "user", "content": "Tell me about volcanoes."}, {"role": "assistant", "content": "They erupt."},
              {"role": "user", "content": "What comes out of them?"}]
         body = http.post("/v1/chat/completions", json={"messages": m, "max_tokens": 2}).json()
-    assert seen[-1] == "Tell me about volcanoes.\nWhat comes out of them?"
+    # turn one replayed (its chunks come first, in its order: kvrag.ingest.follow_up), then this turn's query
+    assert seen[-1] == ["Tell me about volcanoes.", "Tell me about volcanoes.\nWhat comes out of them?"]
     assert body["kvrag_stats"]["turns"] == 3 and body["kvrag_sources"]
 
 

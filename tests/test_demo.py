@@ -141,16 +141,6 @@ def test_launch_command():
         streamlit_command(port=0)
 
 
-def test_follow_ups_keep_the_previous_order_of_the_chunks_retrieved_again():
-    from kvrag.types import Chunk
-
-    a, b, c, d = (Chunk(id=i, text=i) for i in "abcd")
-    assert [x.id for x in demo_app.keep_order([b, a], ["a", "b"])] == ["a", "b"]  # the same chunks: the earlier order
-    assert [x.id for x in demo_app.keep_order([d, b, c, a], ["a", "b", "c"])] == ["a", "b", "c", "d"]  # new ones after
-    assert [x.id for x in demo_app.keep_order([d, c, b], ["a", "b", "c"])] == ["b", "c", "d"]
-    assert [x.id for x in demo_app.keep_order([b, a], [])] == ["b", "a"]
-
-
 def test_the_lines_say_what_happened():
     whole = {"full_reason": "560 chunk tokens <= short_context=768: answered with Full Attention", "prefix_hit_tokens": 0}
     assert demo_app.method_line("fusionrag", 0.15, whole) == "read whole (short context)"

@@ -26,6 +26,7 @@ import streamlit as st
 
 from kvrag.chat import Conversation
 from kvrag.eval.metrics import agreement, first_token_kl
+from kvrag.ingest.follow_up import keep_order
 from kvrag.options import RATIO_FREE
 from kvrag.ingest.samples import sample_questions
 from kvrag.quiet import quiet_libraries
@@ -175,15 +176,6 @@ def conversation() -> list[dict[str, Any]]:
 def messages_of(turns: list[dict[str, Any]]) -> list[dict[str, str]]:
     """The turns as the engine reads them (OpenAI-style messages)."""
     return [{"role": t["role"], "content": t["content"]} for t in turns]
-
-
-def keep_order(chunks: list[Chunk], previous: list[str]) -> list[Chunk]:
-    """A follow-up's chunks: those the turn before read too first, in that turn's order, then the new
-    ones in rank order. Retrieval may rank them anew; the same prompt start is what lets the prefix
-    cache serve the follow-up (all of it for the same chunks, the shared start for a context read whole)."""
-    by_id = {c.id: c for c in chunks}
-    again = [by_id[i] for i in previous if i in by_id]
-    return again + [c for c in chunks if c.id not in set(previous)]
 
 
 def previous_chunk_ids(turns: list[dict[str, Any]]) -> list[str]:

@@ -338,21 +338,30 @@ class ChunkIndex:
 
     def query(self, question: str, k: int = 5) -> list[Chunk]:
         """The k chunks closest in meaning to `question`, best first ([] if the index is empty)."""
-        if k <= 0:
+        return self.query_many([question], k=k)[0]
+
+    def query_many(self, questions: Sequence[str], k: int = 5) -> list[list[Chunk]]:
+        """`query` for each question, asked in one call (a conversation's follow-up replays its earlier
+        turns' retrieval: kvrag.ingest.follow_up). Each question is embedded alone, as `query` embeds
+        it, so a replayed turn finds exactly what it found when it was asked (batching pads, and the
+        last bits of a vector could then part and reorder near ties)."""
+        if not questions:
             return []
-        count = len(self)
+        count = len(self) if k > 0 else 0
         if count == 0:
-            return []
-        vector = self._embed([question])
+            return [[] for _ in questions]
+        vectors = [v for q in questions for v in self._embed([q])]
         result = self._run(lambda coll: coll.query(
-            query_embeddings=vector,
+            query_embeddings=vectors,
             n_results=min(k, count),
             include=["documents", "metadatas", "distances"],
         ))
-        ids = result["ids"][0]
-        docs = (result.get("documents") or [[None] * len(ids)])[0]
-        metas = (result.get("metadatas") or [[None] * len(ids)])[0]
-        return [_to_chunk(i, d, m) for i, d, m in zip(ids, docs, metas)]
+        out = []
+        for row, ids in enumerate(result["ids"]):
+            docs = (result.get("documents") or [[None] * len(ids)] * len(questions))[row]
+            metas = (result.get("metadatas") or [[None] * len(ids)] * len(questions))[row]
+            out.append([_to_chunk(i, d, m) for i, d, m in zip(ids, docs, metas)])
+        return out
 
     def get(self, ids: Sequence[str]) -> list[Chunk]:
         """Chunks by id, in the order asked; ids not in the index are skipped."""

@@ -4,7 +4,8 @@ The conversation (system messages, earlier turns, the last user message) is answ
 model's chat template (`KVRag.stream_chat`). With `kvrag.chunk_ids` / `kvrag.chunks` it is answered
 from those chunks' cached KV. Without them (what any OpenAI client sends) the server retrieves: the
 top-k chunks of its own index (the one `kvrag ingest` and `POST /v1/chunks` fill) for the recent user
-turns, and the response names this turn's chunks in `kvrag_sources` (and the `X-KVRag-Sources`
+turns, a follow-up reading the chunks its previous turn read first, in that turn's order (so the prefix
+cache serves it: kvrag.ingest.follow_up), and the response names this turn's chunks in `kvrag_sources` (and the `X-KVRag-Sources`
 header: their ids). An index it cannot reach is a 503 (index_unavailable), never an answer without
 the context it should have read. With retrieval off (`kvrag serve --no-retrieval`, or `"kvrag": {"retrieve":
 false}`), or nothing indexed, it is plain chat: the messages alone through the chat template. The engine's stats ride along as
@@ -25,6 +26,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvrag.ingest.follow_up import conversation_chunks
 from kvrag.kv.registry import removed_ids_by, request_scoped_chunks
 from kvrag.pipeline import AnswerStream
 from kvrag.server.cite import sources_block, with_sources
@@ -127,7 +129,8 @@ def source_of(chunk: Any) -> dict[str, Any]:
 def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Callable[[], list] | None:
     """How a request without its own context finds its chunks: the top-k of the server's index for the
     conversation's recent user turns (a follow-up that says "it" retrieves with the question it follows:
-    `ServerSettings.retrieval_turns`); None for plain chat (retrieval off for the server or the request).
+    `ServerSettings.retrieval_turns`), those the turn before read first in its order, so the prefix cache
+    serves the follow-up (kvrag.ingest.follow_up); None for plain chat (retrieval off for the server or the request).
     A request asking for retrieval from a server without an index is a 400."""
     ctx = req.kvrag or KVRagContext()
     wanted = state.settings.retrieval if ctx.retrieve is None else ctx.retrieve
@@ -138,9 +141,9 @@ def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Call
             raise APIError(400, "this server has no retrieval index (started with --no-retrieval): send kvrag.chunk_ids or "
                                 "kvrag.chunks with the request", "no_retrieval_index", param="kvrag.retrieve")
         return None
-    query = conv.retrieval_query(state.settings.retrieval_turns)
     k = min(ctx.top_k or state.settings.top_k, state.settings.max_chunks)
-    return lambda: state.index.query(query, k=k)
+    index, turns = state.index, state.settings.retrieval_turns
+    return lambda: conversation_chunks(index, conv, k=k, turns=turns)
 
 
 def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerStats, max_new: int,
