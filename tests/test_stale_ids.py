@@ -195,3 +195,20 @@ def test_a_delete_while_the_stores_id_index_is_unreachable_is_a_503_that_changes
             KVRag(lm, store=redis.url).repo.lookup(["kiwi"], None)  # a replica that never held it: unknown
     finally:
         redis.stop()
+
+
+def test_chunk_by_id_reads_what_the_stores_link_binds_not_this_process_old_text(lm):
+    a, b = two(lm, MemoryStore())
+    fig = Chunk("fig", "Fig trees are pollinated by tiny wasps.")
+    b.precompute([OLD, fig], progress=False)
+    assert b.chunk("kiwi") == OLD  # bound here and in the store alike: this process's chunk, title and all
+    a.precompute([NEW], progress=False)  # replaced through another replica
+    now = b.chunk("kiwi")
+    assert OLD.text not in now.text and NEW.text in now.text and now.metadata == {"source": "store"}
+    a.repo.forget_report(a.repo.lookup(["fig"], None))  # deleted through another replica
+    with removed_ids_by(lambda ids: ids), pytest.raises(ChunkNotFoundError):  # the judge (the server's) says deleted
+        b.chunk("fig")
+    with pytest.raises(ChunkNotFoundError):
+        b.chunk("fig")  # dropped from b's table: unknown from now on, judge or not
+    with pytest.raises(ChunkNotFoundError):
+        b.chunk("never-ingested")
