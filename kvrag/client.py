@@ -125,17 +125,34 @@ def _ask(url: str, question: str, ctx: dict[str, Any], *, method: str | None = N
     return _post(url, "/v1/chat/completions", body, timeout)
 
 
+def _chunk_item(chunk: Chunk) -> dict[str, str]:
+    """A chunk as `POST /v1/chunks` takes it; its source as clients may see it (never an absolute path)."""
+    from kvrag.ingest.retrieval import public_source
+
+    item = {"id": chunk.id, "text": chunk.text, "title": chunk.title}
+    source = public_source(chunk)
+    if source:
+        item["source"] = source
+    return item
+
+
 def ingest_via_server(url: str, chunks: Iterable[Chunk], batch: int = 64, timeout: float = 600.0) -> dict[str, Any]:
     """Ingest chunks on the server (in requests of `batch`, the server's per-request limit by
-    default); returns the summed report: chunks, computed, already_cached, tokens, seconds.
+    default); returns the summed report: chunks, computed, already_cached, tokens, seconds, and
+    `indexed` (added to or changed in the server's retrieval index) only when the server retrieves.
     ServerError when the server refuses a batch, or answers that its store did not keep some KV
     (a 503 naming the chunks; the batches after it are not sent)."""
-    items = [{"id": c.id, "text": c.text, "title": c.title} for c in chunks]
-    total = {"chunks": 0, "computed": 0, "already_cached": 0, "tokens": 0, "seconds": 0.0}
+    items = [_chunk_item(c) for c in chunks]
+    total: dict[str, Any] = {"chunks": 0, "computed": 0, "already_cached": 0, "tokens": 0, "seconds": 0.0}
+    indexed: int | None = None
     for i in range(0, len(items), batch):
         out = _post(url, "/v1/chunks", {"chunks": items[i : i + batch]}, timeout)
         for k in total:
             total[k] += out.get(k, 0)
+        if "indexed" in out:
+            indexed = (indexed or 0) + int(out["indexed"])
+    if indexed is not None:
+        total["indexed"] = indexed
     return total
 
 

@@ -114,6 +114,8 @@ class KVRagCore:
             return self.repo.precompute(chunks, batch_size, progress, kind, neighbours, top_n, index)
 
     def chunk(self, chunk_id: str) -> Chunk:
+        """The chunk this id names now, as `answer(chunk_ids=[...])` would read it (see `KVRepository.chunk`):
+        an id replaced or deleted through another process sharing the store is never its old text here."""
         return self.repo.chunk(chunk_id)
 
     def forget(self, chunks: Sequence[Chunk]) -> int:

@@ -195,6 +195,45 @@ def test_kvrag_ask_through_a_server_uses_its_retrieval_when_this_machine_has_no_
     assert "'Bees'" in capsys.readouterr().out.split("sources:")[1]
 
 
+def _rail_docs(tmp_path) -> "Path":
+    docs = tmp_path / "docs"
+    (docs / "rail").mkdir(parents=True)
+    (docs / "rail" / "brannoch.md").write_text("The Brannoch Line opened in 1893 between Brannoch and the coast.\n")
+    return docs
+
+
+def test_kvrag_ingest_through_a_server_that_retrieves_is_indexed_once_by_the_server(served, tmp_path, monkeypatch, capsys):
+    """The server's POST /v1/chunks indexes what it stores: the CLI writes no index of its own (nor the shared
+    one a second time), reports the server's `indexed`, and the file keeps its name relative to the folder."""
+    from kvrag.cli.app import main
+    from kvrag.ingest.retrieval import public_source
+
+    live, _, index = served
+    docs = _rail_docs(tmp_path)
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    assert main(["ingest", str(docs), "--server", live.url]) == 0
+    assert "; 1 new or changed in the server's index" in capsys.readouterr().err
+    [chunk] = index.by_source("rail/brannoch.md")
+    assert public_source(chunk) == "rail/brannoch.md" and chunk.title == "brannoch" and str(tmp_path) not in str(chunk.metadata)
+    assert not (tmp_path / "home" / "chroma").exists()  # this machine's index was never opened, let alone written
+    assert main(["ingest", str(docs), "--server", live.url]) == 0
+    assert "; 0 new or changed in the server's index" in capsys.readouterr().err  # unchanged: not embedded again
+
+
+def test_kvrag_ingest_through_a_server_that_does_not_retrieve_indexes_on_this_machine(tmp_path, monkeypatch, capsys):
+    from kvrag.cli.app import main
+    from kvrag.ingest.retrieval import public_source
+
+    docs = _rail_docs(tmp_path)
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    settings = ServerSettings(**{**SETTINGS.__dict__, "retrieval": False})
+    with LiveServer(create_app(tiny_rag(), settings)) as live:
+        assert main(["ingest", str(docs), "--server", live.url]) == 0
+    assert "; 1 indexed on this machine (the server does not retrieve)" in capsys.readouterr().err
+    [chunk] = ChunkIndex(tmp_path / "home" / "chroma").query("When did the Brannoch Line open?", k=5)
+    assert public_source(chunk) == "rail/brannoch.md"
+
+
 def test_kvrag_ask_through_a_server_with_nothing_indexed_anywhere_is_an_error(tmp_path, monkeypatch, capsys):
     from kvrag.cli.app import main
 

@@ -151,3 +151,64 @@ def test_with_an_index_an_id_it_holds_survives_a_store_restarted_empty(lm, tmp_p
             assert _by_id(live.url, "kiwi").json()["error"]["code"] == "chunk_not_found"
     finally:
         redis.stop()
+
+
+def _delete(url: str, chunk_id: str) -> httpx.Response:
+    return httpx.delete(f"{url}/v1/chunks/{chunk_id}", trust_env=False, timeout=60)
+
+
+@needs_redis
+def test_a_delete_while_the_stores_id_index_is_unreachable_is_a_503_that_changes_nothing(lm, tmp_path):
+    """A DELETE is whole or not at all: with the store frozen its link cannot be dropped, so nothing is (the
+    retrieval entry and this replica's copy stay, and another replica, here `other`, still resolves the id); a
+    retry once the store is back deletes it everywhere."""
+    import os
+    import signal
+
+    from kvrag.ingest.retrieval import ChunkIndex
+
+    redis = RedisServer()
+    redis.start()
+    try:
+        rag, other, index = KVRag(lm, store=redis.url), KVRag(lm, store=redis.url), ChunkIndex(tmp_path / "chroma")
+        with LiveServer(create_app(rag, SETTINGS, index)) as live:
+            chunk = {"id": "kiwi", "text": OLD.text, "title": OLD.title}
+            assert httpx.post(f"{live.url}/v1/chunks", json={"chunks": [chunk]}, trust_env=False, timeout=60).status_code == 200
+            os.kill(redis.proc.pid, signal.SIGSTOP)  # unreachable (reads time out), its data kept
+            try:
+                refused = _delete(live.url, "kiwi")
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == str(SETTINGS.retry_after_s), refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "kv_store_unavailable" and error["type"] == "server_error" and "not deleted" in error["message"]
+            assert [c.id for c in index.get(["kiwi"])] == ["kiwi"] and "kiwi" in rag.repo.chunks  # nothing changed
+            assert tokens(other, "kiwi") == other.layout.chunk_ids(OLD)  # the link stands: resolved by another replica
+            deadline = time.monotonic() + 30
+            while (done := _delete(live.url, "kiwi")).status_code == 503 and time.monotonic() < deadline:
+                time.sleep(0.2)  # the server's store waits out its back-off before it reads Redis again
+            assert done.status_code == 200, done.text
+            assert done.json()["unlinked"] is True and done.json()["unindexed"] is True
+        assert index.get(["kiwi"]) == [] and "kiwi" not in rag.repo.chunks
+        assert other.repo.store_links(["kiwi"]) == [None]
+        with pytest.raises(ChunkNotFoundError):
+            KVRag(lm, store=redis.url).repo.lookup(["kiwi"], None)  # a replica that never held it: unknown
+    finally:
+        redis.stop()
+
+
+def test_chunk_by_id_reads_what_the_stores_link_binds_not_this_process_old_text(lm):
+    a, b = two(lm, MemoryStore())
+    fig = Chunk("fig", "Fig trees are pollinated by tiny wasps.")
+    b.precompute([OLD, fig], progress=False)
+    assert b.chunk("kiwi") == OLD  # bound here and in the store alike: this process's chunk, title and all
+    a.precompute([NEW], progress=False)  # replaced through another replica
+    now = b.chunk("kiwi")
+    assert OLD.text not in now.text and NEW.text in now.text and now.metadata == {"source": "store"}
+    a.repo.forget_report(a.repo.lookup(["fig"], None))  # deleted through another replica
+    with removed_ids_by(lambda ids: ids), pytest.raises(ChunkNotFoundError):  # the judge (the server's) says deleted
+        b.chunk("fig")
+    with pytest.raises(ChunkNotFoundError):
+        b.chunk("fig")  # dropped from b's table: unknown from now on, judge or not
+    with pytest.raises(ChunkNotFoundError):
+        b.chunk("never-ingested")

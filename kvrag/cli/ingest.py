@@ -43,7 +43,7 @@ def run_ingest(args: argparse.Namespace, open_engine: Callable[[], tuple[Any, An
     computed), and only then are they indexed, so an interrupted ingest leaves an index of chunks
     whose KV is stored, and running it again completes the rest (cached KV and unchanged index
     entries are not redone). `open_engine()`: (engine, index), called once the files are checked;
-    `open_index()`: the index alone (with --server)."""
+    `open_index()`: this machine's index alone (with --server, for a server that does not retrieve)."""
     files, skipped = _ingest_files(args)
     if not files:
         print("no text found in the given paths", file=sys.stderr)
@@ -276,18 +276,32 @@ def _ingest_locally(args: argparse.Namespace, files: list[Path], skipped: list[s
 
 
 def _ingest_via_server(args: argparse.Namespace, files: list[Path], skipped: list[str], open_index: Callable[[], Any]) -> int:
+    """Each batch posted to the server, which stores its KV and, when it retrieves, indexes it (the answer's
+    `indexed`): the shared index is written once, by the server. A server that does not retrieve answers
+    no `indexed`; the batch is then indexed here (`open_index()`, opened only then), as `kvrag ask
+    --server` retrieves from this machine's index for such a server."""
     from kvrag import client
+    from kvrag.ingest.retrieval import named_source
 
-    index = open_index()
+    roots = [str(p) for p in args.paths]
+    local: list[Any] = []  # this machine's index, once a batch needs it
     progress = _IngestProgress(files, kv_label="KV on server")
     total = {"chunks": 0, "computed": 0, "already_cached": 0, "tokens": 0, "seconds": 0.0}
+    counts = {"server": 0, "here": 0}  # chunks new or changed in the server's index; chunks indexed here
 
     def step(batch: list[Chunk]) -> tuple[int, bool]:
-        report = client.ingest_via_server(args.server, batch)  # ServerError when the server's store did not keep some KV
+        # ServerError when the server's store did not keep some KV: the batch is then indexed nowhere
+        report = client.ingest_via_server(args.server, [named_source(c, roots) for c in batch])
         for k in total:
             total[k] += report.get(k, 0)
         progress.kv.update(len(batch))
-        index.add(batch, skip_unchanged=True)
+        if "indexed" in report:  # the server indexed what it stored
+            counts["server"] += report["indexed"]
+        else:
+            if not local:
+                local.append(open_index())
+            local[0].add(batch, skip_unchanged=True)
+            counts["here"] += len(batch)
         return len(batch), True
 
     if _each_batch(progress, _ingest_chunks(files, args, None, progress, skipped), step) is None:
@@ -296,8 +310,18 @@ def _ingest_via_server(args: argparse.Namespace, files: list[Path], skipped: lis
         print("no text found in the given paths", file=sys.stderr)
         return 1
     print(f"ingested {total['chunks']} chunks ({total['computed']} computed, {total['already_cached']} already cached, "
-          f"{total['tokens']} tokens) in {total['seconds']:.1f}s on {args.server}", file=sys.stderr)
+          f"{total['tokens']} tokens) in {total['seconds']:.1f}s on {args.server}; {_indexed_line(counts)}", file=sys.stderr)
     return 0
+
+
+def _indexed_line(counts: dict[str, int]) -> str:
+    """Where the chunks were indexed: by the server (its `indexed`: entries new or changed), or here."""
+    parts = []
+    if counts["server"] or not counts["here"]:
+        parts.append(f"{counts['server']} new or changed in the server's index")
+    if counts["here"]:
+        parts.append(f"{counts['here']} indexed on this machine (the server does not retrieve)")
+    return "; ".join(parts)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

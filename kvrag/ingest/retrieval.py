@@ -135,6 +135,16 @@ def relative_source(source: str, roots: Sequence[str | os.PathLike[str]]) -> str
     return os.path.basename(full)
 
 
+def named_source(chunk: Chunk, roots: Sequence[str | os.PathLike[str]]) -> Chunk:
+    """The chunk with its file's name relative to `roots` (the paths an ingest was given) recorded under
+    SOURCE_NAME_KEY, what clients are shown; as it is without roots or a source."""
+    source = (chunk.metadata or {}).get("source")
+    if not roots or not isinstance(source, str) or not source:
+        return chunk
+    meta = {**chunk.metadata, SOURCE_NAME_KEY: relative_source(source, roots)}
+    return Chunk(id=chunk.id, text=chunk.text, title=chunk.title, metadata=meta)
+
+
 def public_source(chunk: Chunk) -> str:
     """The file a chunk came from as clients may see it: the name recorded at ingest (relative to the
     folder ingested), else the file name alone (an index written before names were recorded)."""
@@ -319,11 +329,7 @@ class ChunkIndex:
 
     def _named(self, chunk: Chunk) -> Chunk:
         """The chunk with its file's name relative to the ingested folders recorded (when known)."""
-        source = (chunk.metadata or {}).get("source")
-        if not self.sources_under or not isinstance(source, str) or not source:
-            return chunk
-        meta = {**chunk.metadata, SOURCE_NAME_KEY: relative_source(source, self.sources_under)}
-        return Chunk(id=chunk.id, text=chunk.text, title=chunk.title, metadata=meta)
+        return named_source(chunk, self.sources_under)
 
     def _changed(self, items: list[Chunk], batch_size: int) -> list[Chunk]:
         """Those of `items` that are not in the index as they are (text and metadata, title included)."""

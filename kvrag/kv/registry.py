@@ -220,10 +220,12 @@ class ChunkRegistry(StoreIdIndex):
         return False
 
     def chunk(self, chunk_id: str) -> Chunk:
-        try:
-            return self.chunks[chunk_id]
-        except KeyError:
-            raise ChunkNotFoundError(f"unknown chunk id {chunk_id!r}") from None
+        """The chunk this id names, as answering by id reads it (`lookup`), not this process's table
+        unchecked: another process sharing the store may have replaced or deleted it. An id rebound
+        elsewhere is the store's text (decoded from its entry, `metadata["source"] == "store"`), never
+        the old text; one removed (as `removed_ids_by` judges) or unknown is ChunkNotFoundError. Where
+        the store cannot be read, this process's table answers."""
+        return self.lookup([chunk_id], None).chunks[0]
 
     def resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK, memo: bool = True) -> Resolved:
         """The chunks' token ids and keys (`memo=False`: token ids not memoised, see `_ids_once`)."""

@@ -173,14 +173,36 @@ def forget(rag: KVRag, chunk_id: str) -> dict[str, Any] | None:
             "unlinked": report.unlinked}
 
 
+def check_links_reachable(state: ServerState, chunk_id: str) -> None:
+    """A 503 (`kv_store_unavailable`) when the store's node-id index cannot be read now (a Redis down, or
+    inside its back-off after a fault). Why before anything is removed: the id's link there is what every
+    replica resolves it through, and it cannot be dropped while the store is out of reach; deleting the
+    index entry and this registry's copy without it would leave the id answered by id elsewhere. Refused
+    whole instead, a retry once the store is back deletes it fully. A store that never fails to read its
+    index (memory, disk) is never refused here."""
+    if state.rag.repo.store_links([chunk_id]) is not None:
+        return
+    retry = state.settings.retry_after_s
+    raise APIError(
+        503,
+        f"chunk {chunk_id!r} was not deleted: the KV store's node-id index (shared by every replica) cannot be "
+        f"reached, so its link could not be removed; nothing was changed. Retry after {retry}s, once the store is back",
+        "kv_store_unavailable",
+        headers={"Retry-After": str(retry)},
+        type="server_error",
+    )
+
+
 @router.delete("/v1/chunks/{chunk_id:kvrag_chunk_id}")
 async def delete_chunk(chunk_id: str, request: Request) -> dict[str, Any]:
     """Forget a chunk: `{"id", "deleted": true, "kv_entries_removed": n, "kv_entries_kept": n, "unlinked": bool,
     "unindexed": bool}` (`kept`: entries another id still refers to; `unindexed`: removed from the
-    server's retrieval index, present when the server retrieves); 404 if unknown."""
+    server's retrieval index, present when the server retrieves); 404 if unknown; 503 with nothing
+    changed when the retrieval index or the store's node-id index cannot be reached."""
     state: ServerState = request.app.state.kvrag
 
     def run() -> dict[str, Any] | None:
+        check_links_reachable(state, chunk_id)  # before anything is removed: a delete is whole or not at all
         if state.index is None:
             return forget(state.rag, chunk_id)
         # the index first: when it cannot be reached the answer is a 503 and nothing has changed

@@ -39,12 +39,15 @@ def id_problem(chunk_id: str) -> str | None:
 
 
 class ChunkIn(BaseModel):
-    """A chunk with its text: `{"id": ..., "text": ..., "title": ...}`."""
+    """A chunk with its text: `{"id": ..., "text": ..., "title": ..., "source": ...}`. `source`: the document
+    it came from as clients are shown it (chat answers' `kvrag_sources`); `kvrag ingest --server` sends the
+    file's name relative to the folder ingested, so the server's own indexing is the only one needed."""
 
     model_config = ConfigDict(extra="forbid")
     id: str = Field(min_length=1, max_length=1024)
     text: str = Field(min_length=1)
     title: str = ""
+    source: str = Field("", max_length=1024)
 
     @field_validator("id", mode="before")  # before pydantic's own str check: it refuses a lone surrogate in generic words
     @classmethod
@@ -55,7 +58,11 @@ class ChunkIn(BaseModel):
         return value
 
     def to_chunk(self) -> Chunk:
-        return Chunk(id=self.id, text=self.text, title=self.title)
+        """As the index records an ingested file's chunk: `source` is also its shown name (SOURCE_NAME_KEY)."""
+        from kvrag.ingest.retrieval import SOURCE_NAME_KEY
+
+        meta = {"source": self.source, SOURCE_NAME_KEY: self.source} if self.source else {}
+        return Chunk(id=self.id, text=self.text, title=self.title, metadata=meta)
 
     def texts(self) -> tuple[str, str]:
         """Every text field the token limit counts."""
