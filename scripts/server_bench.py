@@ -11,11 +11,17 @@ queueing included. Concurrent answers decode together (kvrag.decode.batch: one f
 every running request), up to --max-concurrency at once. In the same run, single-stream decode
 tokens/s of the engine beside stock `generate` (kvrag.eval.decode_speed). Writes OUT/server_bench.json,
 OUT/server_bench.md and OUT/server_bench.png (throughput and p50 latency against clients).
+
+The JSON and markdown are rewritten (atomically) after every finished measurement, so a run killed
+part-way leaves valid tables of what it finished: `"complete": false` in the JSON and a line
+"partial: N of M client counts" in the markdown until the run's end. --tables DIR puts them elsewhere
+(a lent GPU's output folder: a step cut at its time limit still returns them).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -27,7 +33,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "chroma index (a machine without chromadb, e.g. a lent GPU; timing only)")
     p.add_argument("--device", default="auto")
     p.add_argument("--server", default=None, help="benchmark this running server instead of starting one (same model and store!)")
+    p.add_argument("--tables", default=None, help="folder of server_bench.json and .md, rewritten after each measurement (default: --out)")
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.max_new_tokens = min(args.n, 4), min(args.max_new_tokens, 8)
@@ -219,6 +226,32 @@ def concurrent_level(url: str, work: list[tuple[str, list[str]]], clients: int, 
             "generated_tokens_mean": statistics.fmean([r["generated_tokens"] or 0 for r in rows])}
 
 
+def measure_levels(url: str, work: list[tuple[str, list[str]]], counts: list[int], args: argparse.Namespace,
+                   result: dict[str, Any], save: Callable[[dict[str, Any]], Any]) -> None:
+    """Each client count in turn into result["concurrency"], saved after each: a run cut part-way keeps
+    the counts it finished."""
+    for c in counts:
+        batch = [work[i % len(work)] for i in range(max(len(work), 3 * c))]  # every client busy most of the level
+        result["concurrency"].append(concurrent_level(url, batch, c, args))
+        save(result)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write beside `path`, then rename over it: a reader (or a kill) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_tables(where: Path, result: dict[str, Any]) -> str:
+    """server_bench.json and server_bench.md of the result so far; returns the markdown."""
+    where.mkdir(parents=True, exist_ok=True)
+    write_atomic(where / "server_bench.json", json.dumps(result, indent=2))
+    md = markdown(result)
+    write_atomic(where / "server_bench.md", md)
+    return md
+
+
 def ceilings(levels: list[dict[str, Any]], step_ms: dict[int, float]) -> dict[str, Any] | None:
     """What batching can give at most on this machine, from this run's own figures: at 1 client an
     answer is its prefill (the engine's TTFT) and its decoding; the server runs one forward at a time
@@ -244,6 +277,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['meta']['max_new_tokens']} new tokens, stop_at {result['meta'].get('stop_at') or 'the server default'}, "
         f"top-{result['meta']['top_k']}, decode weights {result['meta'].get('decode_weights', 'model')})",
         "",
+        *partial_line(result),
         "| path | questions | wall per question p50 (s) | mean (s) | engine TTFT p50 (s) |",
         "|---|---|---|---|---|",
     ]
@@ -280,6 +314,15 @@ def markdown(result: dict[str, Any]) -> str:
                       f"the engine {r['engine_tok_s']:.1f} tok/s, stock `generate` {r['generate_tok_s']:.1f} tok/s "
                       f"(weights-read bound {d['bound_tok_s']} tok/s); same tokens: {r['generate_same_tokens']}."]
     return "\n".join(lines) + "\n"
+
+
+def partial_line(result: dict[str, Any]) -> list[str]:
+    """The markdown's mark of an unfinished run (killed, or still running): how many client counts it holds."""
+    if result.get("complete", True):
+        return []
+    planned = len(result.get("planned_client_counts", []))
+    return [f"partial: {len(result['concurrency'])} of {planned} client counts "
+            "(the run had not finished when these tables were written)", ""]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -320,6 +363,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def new_result(args: argparse.Namespace, url: str, model: str, counts: list[int]) -> dict[str, Any]:
+    """The run's result before any measurement: its settings and the client counts it plans."""
+    return {
+        "meta": {"model": model, "method": args.method, "retrieval": "word overlap" if args.no_index else "chroma",
+                 "decode_weights": args.decode_weights or "model", "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
+                 "top_k": args.top_k, "n": args.n, "cli_n": args.cli_n, "quick": args.quick, "server": url, "cpu_count": os.cpu_count(),
+                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
+        "complete": False,
+        "planned_client_counts": counts,
+        "sequential": {"server": [], "cli": []},
+        "concurrency": [],
+        "decode": None,
+        "ceilings": None,
+    }
+
+
+def finish(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The measurements after the client counts: the batched step's ceilings and (unless --no-decode)
+    single-stream decode against stock generate, in this run with the server idle now: the in-process
+    engine, or (--server) one loaded here."""
+    from kvrag.engine import KVRag
+    from kvrag.eval.decode_speed import batched_step_ms, run_decode_bench
+    from kvrag.model.home_thread import on_home
+
+    levels = result["concurrency"]
+    engine = getattr(args, "engine", None)
+    one = next((lv for lv in levels if lv["clients"] == 1), None)
+    step_ms: dict[int, float] = {}
+    if engine is not None and one is not None:  # in-process server, idle now: its model's batched step
+        step_ms = on_home(batched_step_ms, engine.lm.model, int(one["prompt_tokens_p50"]) or 512)
+    if not args.no_decode:
+        engine = engine or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
+        result["decode"] = on_home(run_decode_bench, engine, [1024], new_tokens=64, repeats=2)
+    result["ceilings"] = ceilings(levels, step_ms)
+
+
 def drive(args: argparse.Namespace, out: Path, url: str) -> None:
     """The benchmark against the server at `url`; model work of this process on the model's home thread."""
     from kvrag.ingest.samples import sample_corpus_dir, sample_questions
@@ -341,45 +420,22 @@ def drive(args: argparse.Namespace, out: Path, url: str) -> None:
     questions = [pool[i % len(pool)] for i in range(args.n)]
     stream_question(url, questions[0], [c.id for c in index.query(questions[0], k=args.top_k)], args)  # warm-up
 
-    seq_server = server_sequential(url, index, questions, args)
-    env = {**os.environ, "KVRAG_HOME": str(out / "home")}
-    seq_cli = cli_calls(questions[: args.cli_n], args, env)
-    work = [(q, [c.id for c in index.query(q, k=args.top_k)]) for q in questions]
-    levels = []
-    for c in (int(x) for x in args.concurrency.split(",") if x):
-        batch = [work[i % len(work)] for i in range(max(len(work), 3 * c))]  # every client busy most of the level
-        levels.append(concurrent_level(url, batch, c, args))
-    # single-stream decode against stock generate, in this run (the server idle now): the in-process
-    # engine, or (--server) one loaded here
-    from kvrag.engine import KVRag
-    from kvrag.eval.decode_speed import run_decode_bench
-
-    engine = getattr(args, "engine", None)
-    one = next((lv for lv in levels if lv["clients"] == 1), None)
-    step_ms = {}
-    if engine is not None and one is not None:  # in-process server, idle now: its model's batched step
-        from kvrag.eval.decode_speed import batched_step_ms
-
-        step_ms = on_home(batched_step_ms, engine.lm.model, int(one["prompt_tokens_p50"]) or 512)
-    decode = None
-    if not args.no_decode:
-        engine = getattr(args, "engine", None) or KVRag.from_pretrained(args.model, store="memory://", device=args.device)
-        decode = on_home(run_decode_bench, engine, [1024], new_tokens=64, repeats=2)
     model = getattr(args, "model_label", None) or args.model or "bundled SmolLM2-135M-Instruct"
-    result = {
-        "meta": {"model": model, "method": args.method, "retrieval": "word overlap" if args.no_index else "chroma", "decode_weights": args.decode_weights or "model", "max_new_tokens": args.max_new_tokens, "stop_at": args.stop_at,
-                 "top_k": args.top_k, "n": args.n, "cli_n": args.cli_n, "quick": args.quick, "server": url, "cpu_count": os.cpu_count(),
-                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
-        "sequential": {"server": seq_server, "cli": seq_cli},
-        "concurrency": levels,
-        "decode": decode,
-        "ceilings": ceilings(levels, step_ms),
-    }
+    result = new_result(args, url, model, [int(x) for x in args.concurrency.split(",") if x])
     with urllib.request.urlopen(url + "/health", timeout=30) as resp:  # what the server says it runs with
         result["meta"]["max_concurrency"] = json.loads(resp.read())["queue"]["max_concurrency"]
-    (out / "server_bench.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (out / "server_bench.md").write_text(md)
+    tables = Path(args.tables).resolve() if args.tables else out
+    save = functools.partial(save_tables, tables)
+    result["sequential"]["server"] = server_sequential(url, index, questions, args)
+    save(result)
+    env = {**os.environ, "KVRAG_HOME": str(out / "home")}
+    result["sequential"]["cli"] = cli_calls(questions[: args.cli_n], args, env)
+    save(result)
+    work = [(q, [c.id for c in index.query(q, k=args.top_k)]) for q in questions]
+    measure_levels(url, work, result["planned_client_counts"], args, result, save)
+    finish(args, result)
+    result["complete"] = True
+    md = save_tables(tables, result)
     plot(result, out / "server_bench.png")
     print(md)
 

@@ -1,5 +1,6 @@
 """Cache backends against real servers and real files: round trips, int8 bound, faults, concurrency."""
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -7,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -57,6 +59,20 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+@contextlib.contextmanager
+def running_redis() -> Iterator[RedisServer]:
+    """A started redis-server, stopped on leaving; skips the test where none is installed. Why: a test
+    module's fixture shares one server between its tests without repeating the start and stop."""
+    if REDIS is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

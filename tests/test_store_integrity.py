@@ -24,7 +24,7 @@ from kvrag.cache_backends.disk_read import ReadBatch
 from kvrag.cache_backends.format import encode_entry
 from kvrag.cache_backends.redis_store import RedisStore
 from kvrag.kv.entry_check import kv_shape
-from test_backends import REDIS, RedisServer
+from test_backends import running_redis
 from tiny import tiny_model, tiny_tokenizer
 
 SECRET = "a deployment secret"
@@ -45,12 +45,8 @@ def small_pieces(monkeypatch):
 
 @pytest.fixture(scope="module")
 def redis_url():
-    if REDIS is None:
-        pytest.skip("redis-server is not installed")
-    server = RedisServer()
-    server.start()
-    yield server.url
-    server.stop()
+    with running_redis() as server:
+        yield server.url
 
 
 def chunk_entry(seed: int, ids: list[int]) -> KVEntry:

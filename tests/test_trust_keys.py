@@ -22,7 +22,7 @@ from kvrag.cache_backends.base import user_id_digest
 from kvrag.cache_backends.redis_store import RedisStore
 from kvrag.cache_backends.trust import unverified_counts
 from kvrag.cli.app import main
-from test_backends import REDIS, RedisServer, entry
+from test_backends import entry, running_redis
 
 SECRET, OTHER = "the deployment key", "another replica's key"
 GOOD, EVIL = content_key("good"), content_key("evil")
@@ -36,12 +36,8 @@ def no_key(monkeypatch):
 
 @pytest.fixture(scope="module")
 def redis_url():
-    if REDIS is None:
-        pytest.skip("redis-server is not installed")
-    server = RedisServer()
-    server.start()
-    yield server.url
-    server.stop()
+    with running_redis() as server:
+        yield server.url
 
 
 class Place:

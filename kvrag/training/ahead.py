@@ -19,11 +19,11 @@ from typing import Any
 
 from kvrag.decode.stream import eos_ids
 from kvrag.kv.layout import PromptLayout
-from kvrag.model.loading import LoadedModel, load_model
+from kvrag.model.loading import LoadedModel
 from kvrag.training.config import TrainConfig
-from kvrag.training.data import Example, load_rows
+from kvrag.training.data import Example
 from kvrag.training.distill import Teacher, distill_example
-from kvrag.training.loop import check_resume_key, micro_batches, read_state, schedule_total, total_steps
+from kvrag.training.loop import check_resume_key, micro_batches, read_state, schedule_total, total_steps, training_inputs
 
 
 @dataclass
@@ -58,14 +58,7 @@ def precompute_teacher(cfg: TrainConfig, lm: LoadedModel | None = None, rows: li
     started = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    if rows is None:
-        if not cfg.data:
-            raise ValueError("no training data: pass --data PATH")
-        rows, _ = load_rows(cfg.data, cfg.rows, cfg.allow_eval_rows)
-    if not rows:
-        raise ValueError("the training data selection is empty")
-    if lm is None:
-        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    lm, rows, _ = training_inputs(cfg, lm, rows)
     layout = PromptLayout(lm.tokenizer, **({"system_prompt": cfg.system_prompt} if cfg.system_prompt else {}))
     state = read_state(out)
     if state is not None:  # the student has started: its remaining steps only, under the same settings

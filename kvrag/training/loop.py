@@ -160,13 +160,10 @@ def fitted_total(step: int, total: int, seconds_per_step: float, seconds_left: f
     return max(step + 1, min(total, step + affordable))
 
 
-def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | None = None, provenance: list[dict] | None = None) -> TrainResult:
-    """Run (or resume) a training; `lm`/`rows` let tests pass a model and data directly."""
-    t_start = time.perf_counter()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def training_inputs(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | None = None,
+                    provenance: list[dict] | None = None) -> tuple[LoadedModel, list[dict], list[dict] | None]:
+    """The run's model and rows (with their provenance), each loaded from `cfg` unless passed: one
+    place, so that the teacher-only pass (kvrag.training.ahead) reads the very rows `train` does."""
     if rows is None:
         if not cfg.data:
             raise ValueError("no training data: pass --data PATH (e.g. ../shared/data/nq10_dev.jsonl --rows 0:1200)")
@@ -175,6 +172,19 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
         raise ValueError("the training data selection is empty")
     if lm is None:
         lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    return lm, rows, provenance
+
+
+def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | None = None, provenance: list[dict] | None = None) -> TrainResult:
+    """Run (or resume) a training; `lm`/`rows` let tests pass a model and data directly."""
+    t_start = time.perf_counter()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    given = lm is not None
+    lm, rows, provenance = training_inputs(cfg, lm, rows, provenance)
+    if not given:
         model = lm.model
         if cfg.mode == "full" and cfg.objective == "distill":  # lm.model stays the base weights: the teacher
             model = copy.deepcopy(model)

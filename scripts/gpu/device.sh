@@ -16,6 +16,7 @@
 #        decode   70 s    8B bf16 decode at 8k (reuse prefill, 256 tokens)      -> decode-8b-8k.md, decode-8b-8k.json
 #        serve    180 s   `kvrag serve`, 8B shape, 1-16 clients                 -> serve.log (as it runs),
 #                                                                                  server_bench.md, server_bench.json
+#                                                                                  (after each client count)
 #        profile  50 s    where an 8B decode step's time goes                  -> decode-8b-8k-profile.txt
 #      chain.log gets a line per step (rc, seconds) as each ends; rc 124 = cut at its cap.
 #
@@ -117,11 +118,12 @@ profile() {  # issue #39: where a decode step's time goes (each rate line lands 
 serve() {  # issue #35: `kvrag serve` on the 8B shape (random weights, bf16) at 1-16 clients (prepare.sh adds the web stack)
   local model=(--shape llama-3.1-8b --model "$(tokenizer)" --n 16 --max-new-tokens 64 --concurrency "1,2,4,8,16")
   [ "$DRY" = 1 ] && model=(--n 2 --max-new-tokens 2 --concurrency "1,2")
-  # server_bench.py writes its tables at its end: its log comes back as it runs
-  py "$REPO/scripts/server_bench.py" --out "$W/serve-8b" "${model[@]}" --device "$DEV" --dtype "$DT" --cli-n 0 --no-decode \
-    --no-index --stop-at none --method reuse 2>&1 | grep -v "it/s" > "$OUT/serve.log"
+  # server_bench.py rewrites its tables in $OUT after each client count (a step cut at its cap keeps the
+  # counts it finished, marked partial); its log comes back as it runs
+  py "$REPO/scripts/server_bench.py" --out "$W/serve-8b" --tables "$OUT" "${model[@]}" --device "$DEV" --dtype "$DT" --cli-n 0 \
+    --no-decode --no-index --stop-at none --method reuse 2>&1 | grep -v "it/s" > "$OUT/serve.log"
   local rc=$?; tail -12 "$OUT/serve.log"
-  cp "$W/serve-8b/server_bench.md" "$W/serve-8b/server_bench.json" "$OUT/" || rc=1
+  [ -f "$OUT/server_bench.md" ] && [ -f "$OUT/server_bench.json" ] || rc=1
   return $rc
 }
 
