@@ -46,6 +46,9 @@ class Conversation:
 
     turns: tuple[tuple[str, str], ...]
     system: str = ""
+    # the system messages one by one, as they came (`system` joins them): a framework's context message
+    # can then be told from the caller's own instructions (kvrag.ingest.prompt_match)
+    system_messages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.turns or self.turns[-1][0] != "user":
@@ -87,7 +90,18 @@ class Conversation:
                 turns.append((role, text))
         if not turns:
             raise ValueError("the messages must contain a user message (a human message in LangChain): the question")
-        return cls(turns=tuple(turns), system="\n\n".join(system))
+        return cls(turns=tuple(turns), system="\n\n".join(system), system_messages=tuple(system))
+
+    @property
+    def system_parts(self) -> tuple[str, ...]:
+        """The system messages one by one (the joined `system` as one where they were not kept apart)."""
+        return self.system_messages or ((self.system,) if self.system else ())
+
+    @classmethod
+    def with_system_parts(cls, turns: tuple[tuple[str, str], ...], parts: Sequence[str]) -> "Conversation":
+        """A conversation whose system text is these messages, joined as `of` joins them."""
+        kept = tuple(p for p in parts if p.strip())
+        return cls(turns=turns, system="\n\n".join(kept), system_messages=kept)
 
     @property
     def question(self) -> str:
@@ -120,7 +134,8 @@ class Conversation:
 
     def with_answer(self, answer: str, question: str) -> "Conversation":
         """This conversation, answered, with a new question after it (how a client sends turn two)."""
-        return Conversation(turns=(*self.turns, ("assistant", answer), ("user", question)), system=self.system)
+        return Conversation(turns=(*self.turns, ("assistant", answer), ("user", question)), system=self.system,
+                            system_messages=self.system_messages)
 
 
 def prompt_of(turns: Sequence[Turn]) -> str:

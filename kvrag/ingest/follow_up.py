@@ -40,7 +40,7 @@ def turn_queries(conv: Conversation, turns: int = RETRIEVAL_TURNS) -> list[str]:
     queries = []
     for end, (role, _) in enumerate(conv.turns):
         if role == "user":
-            queries.append(Conversation(turns=conv.turns[: end + 1], system=conv.system).retrieval_query(turns))
+            queries.append(Conversation(turns=conv.turns[: end + 1]).retrieval_query(turns))
     return queries[-MAX_REPLAYED_TURNS:]
 
 

@@ -7,12 +7,14 @@ alphanumeric touching either end) and be at least `MIN_MATCH_CHARS` long, so a s
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 from kvrag.chat import Conversation
 from kvrag.types import Chunk
 
 MIN_MATCH_CHARS = 12
+_RULE = re.compile(r"^[\s\-=_*#~.:|]*$")  # a blank or separator line ("-----", "=====") around a context block
 
 
 def _at_boundary(prompt: str, start: int, end: int) -> bool:
@@ -45,15 +47,23 @@ def match_prompt(prompt: str, chunks: Iterable[Chunk], min_chars: int = MIN_MATC
     return [c for _, _, c in picked], rest
 
 
+def after_context(rest: str) -> str:
+    """What a context message says after its last chunk, less the separator lines frameworks draw
+    around the context block: the caller's own instructions (LlamaIndex's chat engines append their
+    `system_prompt` there) and the framework's closing ones."""
+    return "\n".join(line for line in rest.splitlines() if not _RULE.match(line)).strip()
+
+
 def match_conversation(conv: Conversation, chunks: Iterable[Chunk], min_chars: int = MIN_MATCH_CHARS) -> tuple[list[Chunk], Conversation]:
     """Known chunks that a framework pasted into a conversation's messages (a context system message,
     a user message holding "Context: ... Question: ..."), and the conversation without them.
 
-    The system text that carried chunks was the framework's own wrapper around the context: the
-    engine's layout (its instruction, the chunks' KV at the head of the first user turn) replaces it,
-    so it is left out. A user message keeps its text after the last chunk (before the first, if
-    nothing follows). Chunks come in message order, each once; with none found the conversation is
-    returned as it is."""
+    The engine's layout (its instruction, the chunks' KV at the head of the first user turn) replaces
+    the framework's wrapper around the context: a system message that carried chunks keeps only what
+    follows its last chunk (`after_context`), the others are kept whole, so the caller's own system
+    text always reaches the model. A user message keeps its text after the last chunk (before the
+    first, if nothing follows). Chunks come in message order, each once; with none found the
+    conversation is returned as it is."""
     known = list(chunks)
     found: list[Chunk] = []
 
@@ -62,18 +72,21 @@ def match_conversation(conv: Conversation, chunks: Iterable[Chunk], min_chars: i
         for c in got:
             if all(c.id != f.id for f in found):
                 found.append(c)
-        if got and not rest:
-            rest = text[: find_whole(text, got[0].text)].strip()
         return got, rest
 
-    system_got, _ = take(conv.system) if conv.system else ([], "")
+    system = []
+    for part in conv.system_parts:
+        got, rest = take(part)
+        system.append(after_context(rest) if got else part)
     turns = []
     for role, text in conv.turns:
         if role == "user":
             got, rest = take(text)
+            if got and not rest:
+                rest = text[: find_whole(text, got[0].text)].strip()
             turns.append((role, rest if got and rest else text))
         else:
             turns.append((role, text))
     if not found:
         return [], conv
-    return found, Conversation(turns=tuple(turns), system="" if system_got else conv.system)
+    return found, Conversation.with_system_parts(tuple(turns), system)
