@@ -239,3 +239,20 @@ def test_the_chat_bench_measures_turn_two_with_and_without_the_prefix_cache(tmp_
     assert rows[("short", "full")]["identical"] == 2  # exact: the cache changes no token
     assert all(r["prefix_hit_tokens"] > 0 for r in result["records"])
     assert (tmp_path / "chat.md").read_text().count("\n| ") >= 5 and (tmp_path / "chat.json").exists()
+
+
+def test_the_chat_benchs_retrieval_section_reads_less_of_turn_two_with_turn_ones_order_kept(tmp_path):
+    from kvrag.eval.chat_bench import load_cases, retrieval_modes, retrieval_summary
+
+    cases = load_cases(None, passages=4)[:3]
+    rag = tiny_rag()
+    rows = retrieval_modes(rag, cases, tmp_path / "index", k=4, max_new_tokens=2)
+    kept, raw = "recent user turns, turn one's order kept", "recent user turns"
+    by = {(r["case"], r["mode"]): r for r in rows}
+    for case in cases:
+        a, b = by[(case.id, kept)], by[(case.id, raw)]
+        assert sorted(a["ids"]) == sorted(b["ids"])  # the same chunks, only ordered
+        shared = [i for i in a["turn1_ids"] if i in a["ids"]]
+        assert a["ids"][: len(shared)] == shared and a["read_tokens"] <= b["read_tokens"]
+    summary = {r["mode"]: r for r in retrieval_summary(rows)}
+    assert set(summary) == {"last message", raw, "condensed", kept} and summary[kept]["read_tokens"] <= summary[raw]["read_tokens"]

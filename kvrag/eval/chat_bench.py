@@ -153,7 +153,11 @@ def condensed_question(rag: Any, conv: Conversation) -> str:
 
 def retrieval_modes(rag: Any, cases: Sequence[ChatCase], index_dir: Path, k: int, max_new_tokens: int) -> list[dict[str, Any]]:
     """Turn two's retrieval with three queries, over one index of every case's chunks: gold found in the
-    top k, and turn two answered (the engine's default method) from what each retrieved."""
+    top k, and turn two answered (the engine's default method) from what each retrieved; and the recent
+    user turns' chunks with turn one's order kept (kvrag.ingest.follow_up, what `kvrag serve` reads). Each
+    mode's turn two follows its own turn one with the prefix cache holding that turn alone, so the
+    tokens it reads and its TTFT say what the order costs."""
+    from kvrag.ingest.follow_up import conversation_chunks
     from kvrag.ingest.retrieval import ChunkIndex
 
     index = ChunkIndex(index_dir, collection="chat_bench")
@@ -162,15 +166,24 @@ def retrieval_modes(rag: Any, cases: Sequence[ChatCase], index_dir: Path, k: int
     rows = []
     for case in cases:
         first = Conversation.ask(case.turns[0][0])
-        one = rag.chat(first, chunks=index.query(first.question, k=k), max_new_tokens=max_new_tokens)
+        found1 = index.query(first.question, k=k)
+        one = rag.chat(first, chunks=found1, max_new_tokens=max_new_tokens)
         second = first.with_answer(one.text, case.turns[1][0])
-        queries = {"last message": second.question, "recent user turns": second.retrieval_query(), "condensed": condensed_question(rag, second)}
+        queries = {"last message": lambda: index.query(second.question, k=k),
+                   "recent user turns": lambda: index.query(second.retrieval_query(), k=k),
+                   "condensed": lambda: index.query(condensed_question(rag, second), k=k),
+                   "recent user turns, turn one's order kept": lambda: conversation_chunks(index, second, k=k)}
         gold = {c.id for c in case.gold}
-        for mode, query in queries.items():
-            found = index.query(query, k=k)
+        for mode, retrieve in queries.items():
+            found = retrieve()
+            rag.prefix_cache.clear()
+            rag.chat(first, chunks=found1, max_new_tokens=max_new_tokens)  # the same turn one (greedy), kept alone
             ans = rag.chat(second, chunks=found, max_new_tokens=max_new_tokens)
-            rows.append({"case": case.id, "mode": mode, "query": query, "gold_found": any(c.id in gold for c in found),
-                         "contained2": contains(ans.text, case.turns[1][1]) > 0, "turn2": ans.text})
+            st = ans.stats
+            rows.append({"case": case.id, "mode": mode, "ids": [c.id for c in found], "turn1_ids": [c.id for c in found1],
+                         "gold_found": any(c.id in gold for c in found), "contained2": contains(ans.text, case.turns[1][1]) > 0,
+                         "turn2": ans.text, "ttft2": st.ttft_s, "prompt_tokens": st.prompt_tokens,
+                         "read_tokens": st.prompt_tokens - st.prefix_hit_tokens})
     return rows
 
 
@@ -178,7 +191,9 @@ def retrieval_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
-        out.append({"mode": mode, "n": len(rs), "gold_found": sum(r["gold_found"] for r in rs), "turn2_contained": sum(r["contained2"] for r in rs)})
+        out.append({"mode": mode, "n": len(rs), "gold_found": sum(r["gold_found"] for r in rs), "turn2_contained": sum(r["contained2"] for r in rs),
+                    "read_tokens": statistics.median(r["read_tokens"] for r in rs), "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rs),
+                    "ttft2_ms": 1000 * statistics.median(r["ttft2"] for r in rs)})
     return out
 
 
@@ -207,9 +222,15 @@ def chat_markdown(rows: Sequence[dict[str, Any]], retrieval: Sequence[dict[str, 
     if retrieval:
         lines += ["", "## What a follow-up retrieves with", "",
                   f"One index of every conversation's 10-passage context ({meta.get('indexed', '?')} chunks); turn two's top "
-                  f"{meta.get('k')} for three queries, and turn two answered from them (default method).", "",
-                  "| query | gold document retrieved | turn 2 contains gold |", "|---|---|---|"]
-        lines += [f"| {r['mode']} | {r['gold_found']}/{r['n']} | {r['turn2_contained']}/{r['n']} |" for r in retrieval]
+                  f"{meta.get('k')} for three queries, and turn two answered from them (default method), after the same turn one "
+                  "(its top {k} for its own question) with the prefix cache holding that turn alone. The last row is the recent "
+                  "user turns' chunks with those turn one read first, in turn one's order (what `kvrag serve` reads): the same "
+                  "chunks as the row above it, so the same answers wherever the context is exact, and a prompt whose start "
+                  "the prefix cache still holds. Tokens read and TTFT are medians.".replace("{k}", str(meta.get("k"))), "",
+                  "| query | gold document retrieved | turn 2 contains gold | turn 2 tokens read (of its prompt) | turn 2 TTFT |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['gold_found']}/{r['n']} | {r['turn2_contained']}/{r['n']} "
+                  f"| {r.get('read_tokens', 0):.0f} of {r.get('prompt_tokens', 0):.0f} | {r.get('ttft2_ms', 0):.0f} ms |" for r in retrieval]
     return "\n".join(lines) + "\n"
 
 
