@@ -80,3 +80,35 @@ def test_ingest_refuses_binary_text_files_and_reports_kv_it_could_not_store(tmp_
     assert main(["remove", *common, "--store", store, str(doc)]) == 0
     assert "1 chunks removed from the index, 1 KV entries deleted" in capsys.readouterr().err
     assert main(["remove", *common, "--store", store, str(doc)]) == 1  # nothing left to remove
+
+
+@pytest.mark.smollm
+def test_remove_while_the_stores_id_index_cannot_be_read_changes_nothing(tmp_path, capsys, smollm):
+    """`kvrag remove` is whole or not at all: with the store's Redis frozen the ids' links cannot be dropped,
+    so nothing is (the index keeps the document); once Redis is back the same command removes it."""
+    import os
+    import signal
+
+    from test_backends import REDIS, RedisServer
+
+    if REDIS is None:
+        pytest.skip("redis-server is not installed")
+    doc = tmp_path / "notes.md"
+    doc.write_text("The Brannoch Line is a mountain railway that opened in 1893.\n", encoding="utf-8")
+    common = ["--collection", "cli_remove", "--device", "cpu"]
+    redis = RedisServer()
+    redis.start()
+    try:
+        store = f"{redis.url}?connect_timeout=0.3&socket_timeout=0.3"
+        assert main(["ingest", *common, "--store", store, str(doc)]) == 0
+        capsys.readouterr()
+        os.kill(redis.proc.pid, signal.SIGSTOP)  # unreachable (reads time out), its data kept
+        try:
+            assert main(["remove", *common, "--store", store, str(doc)]) == 1
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        assert "nothing was removed" in capsys.readouterr().err
+        assert main(["remove", *common, "--store", store, str(doc)]) == 0  # the document was still there to remove
+        assert "1 chunks removed from the index, 1 KV entries deleted" in capsys.readouterr().err
+    finally:
+        redis.stop()

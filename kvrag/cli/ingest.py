@@ -351,7 +351,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
+    """Every document's chunks out of the index, their ids out of the store's id index and their KV
+    deleted; refused whole, before anything changes, while the store's id index cannot be read (the
+    ids would stay bound there, and other processes sharing the store would still answer them)."""
     rag, index = common.open_engine(args)
+    ids = [c.id for path in args.paths for c in index.by_source(str(path))]
+    if ids and rag.repo.store_links(ids) is None:
+        print("kvrag remove: the KV store's id index cannot be read (is its Redis down?): nothing was removed; "
+              "run it again once the store is back", file=sys.stderr)
+        return 1
     removed = 0
     for path in args.paths:
         gone = index.remove(source=str(path))
