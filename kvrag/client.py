@@ -126,13 +126,14 @@ def _ask(url: str, question: str, ctx: dict[str, Any], *, method: str | None = N
 
 
 def _chunk_item(chunk: Chunk) -> dict[str, str]:
-    """A chunk as `POST /v1/chunks` takes it; its source as clients may see it (never an absolute path)."""
+    """A chunk as `POST /v1/chunks` takes it: its source as a local ingest records it (what `kvrag remove`
+    names), and the name answers show for it (`public_source`: relative to the folder ingested)."""
     from kvrag.ingest.retrieval import public_source
 
     item = {"id": chunk.id, "text": chunk.text, "title": chunk.title}
-    source = public_source(chunk)
-    if source:
-        item["source"] = source
+    source = (chunk.metadata or {}).get("source")
+    if isinstance(source, str) and source:
+        item["source"], item["source_name"] = source, public_source(chunk)
     return item
 
 

@@ -39,15 +39,17 @@ def id_problem(chunk_id: str) -> str | None:
 
 
 class ChunkIn(BaseModel):
-    """A chunk with its text: `{"id": ..., "text": ..., "title": ..., "source": ...}`. `source`: the document
-    it came from as clients are shown it (chat answers' `kvrag_sources`); `kvrag ingest --server` sends the
-    file's name relative to the folder ingested, so the server's own indexing is the only one needed."""
+    """A chunk with its text: `{"id", "text", "title"?, "source"?, "source_name"?}`. `source`: the document it
+    came from, as `kvrag remove` names it (`kvrag ingest --server` sends the file's path as the command was
+    given it, as a local ingest records it); `source_name`: its name as chat answers' `kvrag_sources` show
+    it (default: `source`'s file name; the command sends the path relative to the folder ingested)."""
 
     model_config = ConfigDict(extra="forbid")
     id: str = Field(min_length=1, max_length=1024)
     text: str = Field(min_length=1)
     title: str = ""
-    source: str = Field("", max_length=1024)
+    source: str = Field("", max_length=4096)
+    source_name: str = Field("", max_length=1024)
 
     @field_validator("id", mode="before")  # before pydantic's own str check: it refuses a lone surrogate in generic words
     @classmethod
@@ -58,10 +60,12 @@ class ChunkIn(BaseModel):
         return value
 
     def to_chunk(self) -> Chunk:
-        """As the index records an ingested file's chunk: `source` is also its shown name (SOURCE_NAME_KEY)."""
+        """As a local ingest records a file's chunk: its source, and the name shown for it (SOURCE_NAME_KEY)."""
         from kvrag.ingest.retrieval import SOURCE_NAME_KEY
 
-        meta = {"source": self.source, SOURCE_NAME_KEY: self.source} if self.source else {}
+        meta = {"source": self.source} if self.source else {}
+        if self.source_name:
+            meta[SOURCE_NAME_KEY] = self.source_name
         return Chunk(id=self.id, text=self.text, title=self.title, metadata=meta)
 
     def texts(self) -> tuple[str, str]:
