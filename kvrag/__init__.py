@@ -22,6 +22,7 @@ _HOMES = {
     "EmptyRetrievalError": "kvrag.errors",
     "KVRagError": "kvrag.errors",
     "ModelLoadError": "kvrag.errors",
+    "StoreUnavailableError": "kvrag.errors",
     "UnsupportedModelError": "kvrag.errors",
     "LoadedModel": "kvrag.model.loading",
     "from_model": "kvrag.model.loading",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ b
         EmptyRetrievalError,
         KVRagError,
         ModelLoadError,
+        StoreUnavailableError,
         UnsupportedModelError,
     )
     from kvrag.model.loading import LoadedModel, from_model, load_model

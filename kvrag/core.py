@@ -22,6 +22,7 @@ from kvrag.ingest.prompt_match import match_conversation, match_prompt
 from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.kv.repository import KVRepository, PrecomputeReport, Resolved
 from kvrag.chat import Conversation
+from kvrag.errors import StoreUnavailableError
 from kvrag.model.rope import Rotary
 from kvrag.fuse.stitch import Stitched
 from kvrag.kv.layout import Segments
@@ -119,8 +120,19 @@ class KVRagCore:
         return self.repo.chunk(chunk_id)
 
     def forget(self, chunks: Sequence[Chunk]) -> int:
-        """Remove chunks: from the registry and their KV from the store (returns entries deleted)."""
-        return self.repo.forget(self.repo.resolve([c for c in chunks if c.text.strip()]))
+        """Remove chunks: from the registry and their KV from the store (returns entries deleted).
+        StoreUnavailableError, with nothing changed, while the store's id index cannot be read: the ids
+        would stay bound there, answered by every other process sharing the store."""
+        live = [c for c in chunks if c.text.strip()]
+        self.check_links_readable(live)
+        return self.repo.forget(self.repo.resolve(live))
+
+    def check_links_readable(self, chunks: Sequence[Chunk]) -> None:
+        """StoreUnavailableError when the store's node-id index cannot be read for these chunks' ids."""
+        if chunks and self.repo.store_links([c.id for c in chunks]) is None:
+            raise StoreUnavailableError(
+                "the KV store's id index cannot be read (is its Redis down?): nothing was forgotten; "
+                "retry once the store is back")
 
     # -- answering --------------------------------------------------------------------------------
     def prefill(

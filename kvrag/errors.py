@@ -21,6 +21,11 @@ class ChunkNotFoundError(KVRagError, KeyError):
         return str(self.args[0]) if self.args else "chunk not found"
 
 
+class StoreUnavailableError(KVRagError, RuntimeError):
+    """The KV store's id index (shared through Redis) cannot be read now; nothing was changed: retry once
+    the store is back."""
+
+
 class ContextTooLongError(KVRagError, ValueError):
     """The prompt would not fit in the model's context window."""
 

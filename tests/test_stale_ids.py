@@ -212,3 +212,38 @@ def test_chunk_by_id_reads_what_the_stores_link_binds_not_this_process_old_text(
         b.chunk("fig")  # dropped from b's table: unknown from now on, judge or not
     with pytest.raises(ChunkNotFoundError):
         b.chunk("never-ingested")
+
+
+@needs_redis
+def test_the_library_forgets_nothing_while_the_stores_id_index_is_unreachable(lm):
+    """`KVRag.forget` is whole or not at all, as DELETE is: StoreUnavailableError with the id still registered
+    here and bound in the store (another engine resolves it); once Redis is back it forgets the id everywhere."""
+    import os
+    import signal
+
+    from kvrag.errors import StoreUnavailableError
+
+    redis = RedisServer()
+    redis.start()
+    try:
+        url = f"{redis.url}?connect_timeout=0.3&socket_timeout=0.3"
+        rag, other = KVRag(lm, store=url), KVRag(lm, store=url)
+        rag.precompute([OLD], progress=False)
+        os.kill(redis.proc.pid, signal.SIGSTOP)  # unreachable (reads time out), its data kept
+        try:
+            with pytest.raises(StoreUnavailableError):
+                rag.forget([OLD])
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        assert "kiwi" in rag.repo.chunks and tokens(other, "kiwi") == other.layout.chunk_ids(OLD)  # nothing changed
+        deadline = time.monotonic() + 30
+        while True:  # the engine's store waits out its back-off before it reads Redis again
+            try:
+                rag.forget([OLD])
+                break
+            except StoreUnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert "kiwi" not in rag.repo.chunks and other.repo.store_links(["kiwi"]) == [None]
+    finally:
+        redis.stop()
