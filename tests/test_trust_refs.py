@@ -29,13 +29,18 @@ def no_key(monkeypatch):
     monkeypatch.delenv(KEY_ENV, raising=False)
 
 
-def within(seconds, fn, *args):
-    """fn(*args) in a thread: its result, or a failure when it is still running after `seconds` (a hang)."""
+HANG_GUARD_S = 120  # far above any run's time: only a call blocked for good (a FIFO or device opened blocking) reaches it
+
+
+def not_hung(fn, *args):
+    """fn(*args) in a thread, and its result. A hang guard, not a timing: a ref that blocks its reader
+    (a FIFO with no writer) blocks forever, so the test fails instead of hanging the whole suite."""
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", fn(*args)), daemon=True)
     t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
+    t.join(HANG_GUARD_S)
+    if t.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} blocked (a ref opened blocking?)")
     return box.get("r")
 
 
@@ -62,7 +67,7 @@ def test_a_bad_ref_is_a_fast_logged_miss(tmp_path, caplog, plant):
     tracemalloc.start()
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING):
-        assert within(5, store.resolve, [UID]) == [None]
+        assert not_hung(store.resolve, [UID]) == [None]
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert time.monotonic() - t0 < 1 and peak < 1 << 20
@@ -113,12 +118,12 @@ def test_the_admin_commands_never_block_on_special_files_and_gc_removes_them(tmp
     os.mkfifo(tmp_path / "entries" / fake[:2] / fake[2:4] / f"{fake}.kv")
     url = f"disk://{tmp_path}"
     for cmd in (["store", "stats", "--json"], ["store", "ls", "--json"], ["store", "gc", "--dry-run", "--json"]):
-        assert within(10, main, [*cmd, "--store", url]) == 0
+        assert not_hung(main, [*cmd, "--store", url]) == 0
     out = capsys.readouterr().out.splitlines()
     stats, plan = json.loads(out[0]), json.loads(out[2])
     assert stats["bad_links"] == 2 and stats["entries"] == 1
     assert len(plan["dangling_links"]) == 2 and all("ref" in n for n in plan["dangling_links"])
-    assert within(10, main, ["store", "gc", "--store", url]) == 0
+    assert not_hung(main, ["store", "gc", "--store", url]) == 0
     assert not os.path.lexists(ref_path(tmp_path, "ns/fifo")) and not os.path.lexists(ref_path(tmp_path, "ns/zero"))
     assert os.path.exists("/dev/zero") and store.resolve(["ns/good"]) == [key]
 
@@ -136,7 +141,7 @@ def test_the_engine_answers_an_unknown_id_with_a_fifo_ref_quickly(tmp_path):
             rag.prefill("What?", ["elsewhere"], method="reuse")
         return True
 
-    assert within(10, ask)
+    assert not_hung(ask)
 
 
 @pytest.mark.skipif(REDIS is None, reason="redis-server is not installed")
