@@ -124,12 +124,14 @@ class KVRagCore:
         StoreUnavailableError, with nothing changed, while the store's id index cannot be read: the ids
         would stay bound there, answered by every other process sharing the store."""
         live = [c for c in chunks if c.text.strip()]
-        self.check_links_readable(live)
+        self.check_links_readable([c.id for c in live])
         return self.repo.forget(self.repo.resolve(live))
 
-    def check_links_readable(self, chunks: Sequence[Chunk]) -> None:
-        """StoreUnavailableError when the store's node-id index cannot be read for these chunks' ids."""
-        if chunks and self.repo.store_links([c.id for c in chunks]) is None:
+    def check_links_readable(self, chunk_ids: Sequence[str]) -> None:
+        """StoreUnavailableError when the store's node-id index (what every process sharing the store
+        resolves ids through) cannot be read for these ids: a forget must then change nothing. A store
+        that never fails to read its index (memory, disk) never raises."""
+        if chunk_ids and self.repo.store_links(list(chunk_ids)) is None:
             raise StoreUnavailableError(
                 "the KV store's id index cannot be read (is its Redis down?): nothing was forgotten; "
                 "retry once the store is back")

@@ -180,7 +180,7 @@ class KVRag(KVRagCore):
 
     def forget(self, chunks: Sequence[Chunk]) -> int:
         texts = [c for c in chunks if c.text.strip()]
-        self.check_links_readable(texts)  # before the fast path forgets anything: whole or not at all
+        self.check_links_readable([c.id for c in texts])  # before the fast path forgets anything: whole or not at all
         deleted = 0
         if self._fast is not None:  # before the base forgets them: the registry is shared
             deleted += self._fast.repo.forget(self._fast.repo.resolve(texts))

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from kvrag.cli import common
 from kvrag.cli.args import positive_int
 from kvrag.cli.common import add_engine_options, add_server_option
-from kvrag.errors import KVRagError
+from kvrag.errors import KVRagError, StoreUnavailableError
 from kvrag.ingest.splitting import DEFAULT_MAX_CHUNK_TOKENS
 from kvrag.defaults import kvrag_home
 from kvrag.types import Chunk
@@ -355,8 +355,9 @@ def cmd_remove(args: argparse.Namespace) -> int:
     deleted; refused whole, before anything changes, while the store's id index cannot be read (the
     ids would stay bound there, and other processes sharing the store would still answer them)."""
     rag, index = common.open_engine(args)
-    ids = [c.id for path in args.paths for c in index.by_source(str(path))]
-    if ids and rag.repo.store_links(ids) is None:
+    try:  # before the index changes: the whole removal, or none of it
+        rag.check_links_readable([c.id for path in args.paths for c in index.by_source(str(path))])
+    except StoreUnavailableError:
         print("kvrag remove: the KV store's id index cannot be read (is its Redis down?): nothing was removed; "
               "run it again once the store is back", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ a replica with another refuses it rather than retrieve nonsense.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -69,6 +70,13 @@ def embedding_function() -> Any:
                     normalize_embeddings=True,
                 )
     return _EMBEDDER
+
+
+@functools.lru_cache(maxsize=4096)
+def query_vector(question: str) -> tuple[float, ...]:
+    """A question's vector, embedded alone and kept: a conversation's follow-ups replay every earlier
+    turn's query on each request (kvrag.ingest.follow_up), and the embedding model is deterministic."""
+    return tuple(float(x) for x in embedding_function()([question])[0])
 
 
 def _simple_metadata(chunk: Chunk) -> dict[str, str | int | float | bool]:
@@ -348,15 +356,15 @@ class ChunkIndex:
 
     def query_many(self, questions: Sequence[str], k: int = 5) -> list[list[Chunk]]:
         """`query` for each question, asked in one call (a conversation's follow-up replays its earlier
-        turns' retrieval: kvrag.ingest.follow_up). Each question is embedded alone, as `query` embeds
-        it, so a replayed turn finds exactly what it found when it was asked (batching pads, and the
-        last bits of a vector could then part and reorder near ties)."""
+        turns' retrieval: kvrag.ingest.follow_up). Each question is embedded alone (`query_vector`),
+        so a replayed turn finds exactly what it found when it was asked (batching pads, and the last
+        bits of a vector could then part and reorder near ties)."""
         if not questions:
             return []
         count = len(self) if k > 0 else 0
         if count == 0:
             return [[] for _ in questions]
-        vectors = [v for q in questions for v in self._embed([q])]
+        vectors = [list(query_vector(q)) for q in questions]
         result = self._run(lambda coll: coll.query(
             query_embeddings=vectors,
             n_results=min(k, count),

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.convertors import Convertor, register_url_convertor
 
-from kvrag.errors import ChunkNotFoundError
+from kvrag.errors import ChunkNotFoundError, StoreUnavailableError
 from kvrag.engine import KVRag
 from kvrag.kv.repository import check_fits
 
@@ -179,9 +179,12 @@ def check_links_reachable(state: ServerState, chunk_id: str) -> None:
     replica resolves it through, and it cannot be dropped while the store is out of reach; deleting the
     index entry and this registry's copy without it would leave the id answered by id elsewhere. Refused
     whole instead, a retry once the store is back deletes it fully. A store that never fails to read its
-    index (memory, disk) is never refused here."""
-    if state.rag.repo.store_links([chunk_id]) is not None:
+    index (memory, disk) is never refused here (`KVRag.check_links_readable`)."""
+    try:
+        state.rag.check_links_readable([chunk_id])
         return
+    except StoreUnavailableError:
+        pass
     retry = state.settings.retry_after_s
     raise APIError(
         503,
