@@ -100,7 +100,7 @@ class RequestPipeline:
         pre.stats.attention_kernels = kernels
         return pre
 
-    def _prefill(self, conv: Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool) -> Prefill:
+    def _prefill(self, conv: Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool, retry: bool = True) -> Prefill:
         t0 = clock(self.lm.device)
         meth = opts.resolved_method()
         stats = AnswerStats(method=meth.name, turns=len(conv.turns))
@@ -164,6 +164,10 @@ class RequestPipeline:
             if feed is not None:
                 feed.close()
         stitched.feed = None
+        # the one check of the stored KV's values: non-finite logits (the first token reads them next
+        # anyway) mean a bad entry; those are dropped and the prefill runs again, computing them
+        if retry and not bool(torch.isfinite(out.logits).all()) and self.repo.drop_non_finite(resolved, stacks, opts.kv_kind):
+            return self._prefill(conv, resolved, opts, documents, retry=False)
         if window is not None:
             window.key_positions = torch.cat([stitched.positions, torch.arange(segments.context_len, segments.total_len)])
         t4 = clock(self.lm.device)

@@ -128,8 +128,9 @@ def stitch(
 ) -> Stitched:
     """Concatenate RoPE-free chunk KV after the prefix and rotate keys to their global positions.
 
-    Each chunk is rotated straight into one preallocated buffer (all layers and heads in one op),
-    so the context is written once instead of concatenated and then copied again. `reserve` slots
+    Each chunk's raw KV is copied once into one preallocated buffer (all layers and heads in one op),
+    then every key after the prefix is rotated in place with cos/sin computed once: the op count
+    grows with the chunks by two copies each, never by a rotation each. `reserve` slots
     are left free after the context for the question and the answer, which append in place.
 
     `layerwise=True` only allocates the buffers: a `LayerFeed` fills each layer when first ensured
@@ -145,20 +146,21 @@ def stitch(
     room = (kbuf, vbuf) if reserve > 0 else None
     if layerwise:
         return Stitched(keys, values, segments, room=room, feed=LayerFeed(prefix, chunks, segments, rotary, keys, values, lookahead))
-    if not chunks:
-        keys[:, :, :n_prefix] = pk
-        values[:, :, :n_prefix] = pv
-        return Stitched(keys, values, segments, room=room)
     keys[:, :, :n_prefix] = pk
     values[:, :, :n_prefix] = pv
+    if not chunks:
+        return Stitched(keys, values, segments, room=room)
+    for start, (k, v) in zip(segments.chunk_starts, chunks):  # raw KV: one copy per chunk for every layer
+        end = start + k.shape[2]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+    # every chunk's keys rotated at once (cos/sin computed once), a few layers at a time
+    span = keys[:, :, n_prefix:total]
+    rotary.rotate_in_place(span, *rotary.cos_sin(torch.arange(n_prefix, total), span))
     if segments.links:  # link slots: empty until the recompute pass computes them
         link = torch.tensor(segments.link_positions(), device=keys.device)
-        keys[:, :, link] = 0
-        values[:, :, link] = 0
-    for start, (k, v) in zip(segments.chunk_starts, chunks):
-        end = start + k.shape[2]
-        rotary.rotate(k.to(pk.device, pk.dtype), torch.arange(start, end), out=keys[:, :, start:end])
-        values[:, :, start:end] = v
+        keys.index_fill_(2, link, 0)
+        values.index_fill_(2, link, 0)
     return Stitched(keys, values, segments, room=room)
 
 

@@ -49,11 +49,27 @@ def entry_problem(
         if entry.token_ids is None:
             return "no token ids stored"
         stored = entry.token_ids.reshape(-1)
-        if stored.numel() != len(token_ids) or not torch.equal(stored.cpu().to(torch.int64), torch.as_tensor(list(token_ids), dtype=torch.int64)):
+        # compared on the host as Python ints: the ids live on the host, and no per-chunk tensor op
+        if stored.numel() != len(token_ids) or stored.tolist() != [int(t) for t in token_ids]:
             return "its token ids are another chunk's"
-    if not all_finite(entry.keys) or not all_finite(entry.values):
+    if entry.meta.get(FINITE_META) != "1" and (not all_finite(entry.keys) or not all_finite(entry.values)):
         return "non-finite values"
     return None
+
+
+# An entry's writer found every value finite before writing it (`mark_finite`). The mark sits in the
+# entry's metadata, which the stores' checksum (or MAC) covers with the data, so a reader skips the
+# scan: a whole-context read on the host per request, for the disk tier more than its own read costs.
+# Entries without the mark (another writer's) are scanned as before.
+FINITE_META = "finite"
+
+
+def mark_finite(meta: dict[str, str], keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Scan a new entry's KV once, at write time; mark `meta` and return True when all finite."""
+    ok = all_finite(keys) and all_finite(values)
+    if ok:
+        meta[FINITE_META] = "1"
+    return ok
 
 
 # tensor id -> (a weak reference to it, its version counter when found finite). Memory tiers hand

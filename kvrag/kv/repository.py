@@ -19,7 +19,7 @@ import torch
 
 from kvrag.cache_backends import FORMAT_VERSION, KVEntry, KVStore, content_key, entry_bytes_bound
 from kvrag.kv.registry import ChunkRegistry, Resolved
-from kvrag.kv.entry_check import entry_problem, kv_shape
+from kvrag.kv.entry_check import all_finite, entry_problem, kv_shape, mark_finite
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError
 from kvrag.cache_backends.format import storage_of
 from kvrag.cache_backends.guarded import GuardedStore
@@ -325,12 +325,31 @@ class KVRepository(ChunkRegistry):
         for j, (k, v) in batch:
             i = idx[j]
             ids = resolved.token_ids[i]
-            entry = KVEntry(k, v, meta=self.entry_meta(kind, len(ids)), token_ids=torch.tensor(ids, dtype=torch.int64))
+            meta = self.entry_meta(kind, len(ids))
+            entry = KVEntry(k, v, meta=meta, token_ids=torch.tensor(ids, dtype=torch.int64))
             key = self.similarity_key(resolved.chunks[i], ids) if kind == KIND_SIMILARITY else self.key(kind, ids)
-            if key is not None:
+            if key is not None and not mark_finite(meta, k, v):
+                log.warning("not storing the KV of a %d-token %s: it holds non-finite values", len(ids), kind)
+            elif key is not None:
                 self.guarded.put(key, entry)
             if out is not None:
                 out[j] = (k, v)
+
+    def drop_non_finite(self, resolved: Resolved, stacks: Sequence[LayerStack], kind: str = KIND_CHUNK) -> list[int]:
+        """The chunks whose loaded KV holds a non-finite value (an entry whose writer marked it finite
+        and lied, or a store that changed it): each logged, its entries deleted and forgotten by the
+        request, so a retried prefill computes and stores them anew. Called only when a prefill's
+        logits came out non-finite, so the usual read scans nothing (kvrag.kv.entry_check)."""
+        bad = [i for i, (k, v) in enumerate(stacks) if not (all_finite(k) and all_finite(v))]
+        for i in bad:
+            ids = resolved.token_ids[i]
+            log.warning("ignoring a %s cache entry (%d tokens): non-finite values; it will be recomputed and replaced", kind, len(ids))
+            keys = {self.key(KIND_CHUNK, ids), self.key(kind, ids) if kind != KIND_SIMILARITY else self.similarity_key(resolved.chunks[i], ids)}
+            for key in filter(None, keys):
+                self.guarded.delete(key)
+            resolved.loaded.pop(i, None)
+            resolved.read_ahead.discard(i)
+        return bad
 
     # -- loading --------------------------------------------------------------------------------
     def read_ahead(self, resolved: Resolved) -> None:

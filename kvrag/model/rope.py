@@ -45,12 +45,32 @@ class Rotary:
         """Apply RoPE at `positions` to RoPE-free keys (written into `out` when given)."""
         if keys.shape[-2] == 0:
             return keys if out is None else out.copy_(keys)
-        cos, sin = self.cos_sin(positions, keys)
-        if self._half_split and keys.dtype == torch.float32 and cos.shape[-1] == keys.shape[-1]:
+        return self.rotate_at(keys, *self.cos_sin(positions, keys), out=out)
+
+    def rotate_at(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`rotate` with cos/sin already computed (`cos_sin`), so a caller rotating many layers or
+        chunks at the same positions computes them once. Keys [..., heads, seq, dim]; any leading dims."""
+        if self._fast(keys, cos):
             return self._rotate_half_split(keys, cos, sin, out)
         k = keys.float()
         rotated = self._apply(self._probe_q(k), k, cos, sin)[1].to(keys.dtype)
         return rotated if out is None else out.copy_(rotated)
+
+    def _fast(self, keys: torch.Tensor, cos: torch.Tensor) -> bool:
+        return self._half_split and keys.dtype == torch.float32 and cos.shape[-1] == keys.shape[-1]
+
+    def rotate_in_place(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, max_bytes: int = 256 << 20) -> None:
+        """Rotate RoPE-free keys [layers, heads, seq, dim] where they lie, a few layers at a time, so the
+        temporaries stay under `max_bytes` whatever the context length; the op count grows with the
+        layers, never with how many chunks the span holds."""
+        if keys.shape[-2] == 0 or keys.shape[0] == 0:
+            return
+        per_layer = keys[0].numel() * 4 * 2  # an fp32 copy and its rotation
+        step = max(1, min(keys.shape[0], max_bytes // max(1, per_layer)))
+        for a in range(0, keys.shape[0], step):
+            part = keys[a : a + step]
+            # the fast path writes `out` while reading its input: it needs a copy; the model's own path makes one
+            self.rotate_at(part.clone() if self._fast(part, cos) else part, cos, sin, out=part)
 
     @staticmethod
     def _rotate_half_split(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

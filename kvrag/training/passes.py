@@ -72,8 +72,8 @@ def load_context(rag: Any, examples: Sequence[Example]) -> Context:
 
 
 class _GradRotary:
-    """`stitch` rotates each chunk straight into its buffer (`out=`), which autograd refuses for keys
-    that carry gradients; this rotates, then copies: the same float ops, so the same keys."""
+    """`stitch` rotates keys where they lie (`out=`), which autograd refuses for keys that carry
+    gradients; this rotates, then copies: the same float ops, so the same keys."""
 
     def __init__(self, rotary: Rotary) -> None:
         self.rotary = rotary
@@ -81,6 +81,12 @@ class _GradRotary:
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rotated = self.rotary.rotate(keys, positions)
         return rotated if out is None else out.copy_(rotated)
+
+    def cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary.cos_sin(positions, like)
+
+    def rotate_in_place(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        keys.copy_(self.rotary.rotate_at(keys, cos, sin))
 
 
 def encode_context(model: Any, rotary: Any, examples: Sequence[Example]) -> Context:
