@@ -9,11 +9,11 @@ CUDA tests of issue #20.
 import pytest
 import torch
 
+from devices import DEVICES
 from kvrag import KVRag, from_model
 from kvrag.methods.snapkv import SnapKV
 from tiny import THREE_CHUNKS, THREE_IDS, THREE_Q, tiny_model, tiny_tokenizer
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 SELECTIVE = ["cacheblend", "epic", "a3", "fusionrag", "samkv"]

@@ -30,7 +30,7 @@ from kvrag.cache_backends.format import FORMAT_VERSION, StaleEntryError, decode_
 from kvrag.defaults import DEFAULT_DISK_PRECISION
 from kvrag.cache_backends.host import BufferPool, physical_memory
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from devices import DEVICES
 
 
 def entry(seed=0, tokens=6, dtype=torch.float32):
@@ -411,30 +411,38 @@ def test_default_store_url_per_device(tmp_path):
     assert isinstance(plain, DiskStore) and storage_of(plain.quantize) == DEFAULT_DISK_PRECISION
 
 
-# -- CUDA: pinned buffers and the GPU tier -----------------------------------------------------------
-@cuda
-def test_pinned_disk_reads_and_host_tier(tmp_path):
+# -- CUDA: pinned buffers and the GPU tier (the CPU runs the same calls: pin is ignored without CUDA) ---
+@pytest.mark.parametrize("device", DEVICES)
+def test_pinned_disk_reads_and_host_tier(tmp_path, device):
     disk = DiskStore(tmp_path, pin=True)
     k = content_key("p")
     disk.put(k, entry())
     got = disk.get(k)
-    assert got.keys.is_pinned() and got.values.is_pinned() and same(got, entry())
+    pinned = device == "cuda"
+    assert disk.buffers.pin == pinned and disk.read == ("copy" if pinned else "map")
+    assert got.keys.is_pinned() == pinned and got.values.is_pinned() == pinned and same(got, entry())
     host = HostStore(pin=True)
     host.put(k, entry())
-    assert host.get(k).keys.is_pinned()
+    assert host.pin == pinned and host.get(k).keys.is_pinned() == pinned
 
 
-@cuda
-def test_cuda_default_stack_serves_from_the_gpu(tmp_path):
-    store = open_store(None, tmp_path, device="cuda")
-    assert store.names == ["gpu", "host", "disk"]
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_default_stack_serves_from_the_gpu(tmp_path, device):
+    """The default stack for `device` (CUDA: GPU, pinned host, disk; CPU: memory, disk) serves a chunk
+    only the disk holds from the disk, as the disk tier holds it (bf16 by default, not the float32 put),
+    on the device, and from the top tier after that."""
+    store = open_store(None, tmp_path, device=device)
+    assert store.names == (["gpu", "host", "disk"] if device == "cuda" else ["memory", "disk"])
     k = content_key("g")
     store.put(k, entry())
-    for t in store.tiers[:2]:
+    for t in store.tiers[:-1]:
         t.delete(k)
+    held = store.tiers[-1].get(k)  # the entry as the disk tier holds it, at DEFAULT_DISK_PRECISION (bf16)
+    torch.testing.assert_close(held.keys, entry().keys, rtol=2**-8, atol=0)  # within bf16's rounding of the put
     got = store.get(k)
-    assert got.tier == "disk" and got.keys.device.type == "cuda" and torch.equal(got.keys.cpu(), entry().keys)
-    assert store.get(k).tier == "gpu"
+    assert got.tier == "disk" and got.keys.device.type == device
+    assert torch.equal(got.keys.cpu(), held.keys) and torch.equal(got.values.cpu(), held.values)
+    assert store.get(k).tier == store.names[0]
 
 
 # -- the bench ---------------------------------------------------------------------------------------
