@@ -356,10 +356,11 @@ def test_layerwise_copies_are_non_blocking_from_pinned_memory(tmp_path, device, 
     pre = rag.prefill(Q, IDS, method="cacheblend")
     monkeypatch.undo()
     layers = rag.lm.config.num_hidden_layers
-    host_sources = len(IDS) + (device == "cpu")  # every chunk (and on the CPU the prefix): keys and values, layer by layer
-    assert len(copies) == 2 * layers * host_sources
-    assert all(non_blocking and pinned == (device == "cuda") for non_blocking, pinned in copies), copies
     feed = feeds[0]
+    groups = -(-layers // feed.group)  # a chunk's layers of one copy group arrive in one copy
+    host_sources = len(IDS) + (device == "cpu")  # every chunk (and on the CPU the prefix): keys and values, group by group
+    assert len(copies) == 2 * groups * host_sources and feed.copies == 2 * groups * len(IDS)
+    assert all(non_blocking and pinned == (device == "cuda") for non_blocking, pinned in copies), copies
     assert feed.cuda == (device == "cuda") and feed.order == list(range(layers)) and feed.complete
     # the copy work, and the part of it the passes waited for (never more than the work itself)
     assert pre.stats.layer_load_s > 0 and 0 <= pre.stats.load_wait_s <= pre.stats.layer_load_s + 1e-3
