@@ -9,18 +9,27 @@
 #
 # The chain of one lending (device time; what comes back in $OUT, at most 8 files a call):
 #
-#   1. carry [".gpu"], timeout_s 480:  bash scripts/gpu/device.sh first               (~8 min with the start)
-#      The command ends by FIRST_BUDGET_S (default 420 s); each step gets its cap or what is left:
+#   1. carry [".gpu"], timeout_s 400:  bash scripts/gpu/device.sh first               (~6.5 min with the start)
+#      The GPU prefill: the command ends by FIRST_BUDGET_S (default 330 s); each step gets its cap or what is left:
 #        setup    ~40 s   wheels + this checkout's kvrag                       -> chain.log (machine, versions, commit)
-#        tests    90 s    every CUDA test                                      -> cuda-tests.log
-#        decode   70 s    8B bf16 decode at 8k (reuse prefill, 256 tokens)      -> decode-8b-8k.md, decode-8b-8k.json
-#        serve    180 s   `kvrag serve`, 8B shape, 1-16 clients                 -> serve.log (as it runs),
+#        tests    80 s    every CUDA test (-k "not cpu": their CPU twins run in CI) -> cuda-tests.log
+#        prefill  50 s    one reuse prefill profiled at 4k and 32k, KV in pinned host memory
+#                                                                              -> prefill-profile.txt (as it runs)
+#        store    30 s    each tier's read bandwidth, the disk tier ÷ a plain read -> store-tiers.md
+#        tiers    140 s   `kvrag bench speed` 4k,16k,32k: Full, reuse and epic from every tier of the CUDA
+#                         default stack (hot GPU, warm pinned host, cold disk, cold from the device)
+#                                                                              -> speed-tiers.md, speed-tiers.json
+#   2. right after it (the machine stays warm 30 s), carry [".gpu"], timeout_s 330:
+#                                        bash scripts/gpu/device.sh second             (~5 min)
+#      Many users on one GPU: ends by SECOND_BUDGET_S (default 290 s):
+#        decode   90 s    8B bf16 decode at 4k, 8k, 16k, 32k (reuse prefill, 128 tokens) -> decode-8b.md, decode-8b.json
+#        serve    150 s   `kvrag serve`, 8B shape, 1-16 clients                 -> serve.log (as it runs),
 #                                                                                  server_bench.md, server_bench.json
 #                                                                                  (after each client count)
-#        profile  50 s    where an 8B decode step's time goes                  -> decode-8b-8k-profile.txt
+#        profile  45 s    one decode step alone and one batched at 8 rows, profiled -> decode-profile.txt
 #      chain.log gets a line per step (rc, seconds) as each ends; rc 124 = cut at its cap.
 #
-#   2. the distillation, one resumable piece a lending (~5-6 min with the parcels), right after 1
+#   3. the distillation, one resumable piece a lending (~5-6 min with the parcels), when a lending has time left
 #      (each call within the 30 s a machine stays warm; prepare.sh --distill prints this list):
 #        carry [".gpu", ".gp1"], timeout_s 120:  bash scripts/gpu/device.sh setup && bash scripts/gpu/device.sh stash 1
 #        carry [".gp2"] ... [".gpN-1"], 60 each: bash scripts/gpu/device.sh stash K
@@ -95,28 +104,44 @@ tokenizer() { [ "$DRY" = 1 ] && echo "" || echo "$W/tokenizer"; }
 tests() {  # issues #20/#22/#39: every CUDA test (they skip on the CPU: the dry run only collects them)
   local files=("$REPO/tests/test_cuda.py" "$REPO/tests/test_cuda_attention.py" "$REPO/tests/test_every_device.py"
     "$REPO/tests/test_store_tiers.py::test_cuda_default_stack_serves_from_the_gpu")
-  local extra=(-rs); [ "$DRY" = 1 ] && extra=(--collect-only)
+  local extra=(-rs -k "not cpu"); [ "$DRY" = 1 ] && extra=(--collect-only -k "not cpu")
   (cd "$W/run" && "$PY" -m pytest -q -p no:cacheprovider "${extra[@]}" "${files[@]}" 2>&1) > "$OUT/cuda-tests.log"
   local rc=$?; tail -5 "$OUT/cuda-tests.log"; return $rc
 }
 
-decode() {  # issue #39: the 8B bf16 decode rate at 8k (reuse's prefill, 256 tokens), beside its weights-read bound
-  local model=(--model "$(tokenizer)" --shape llama-3.1-8b --random-weights --contexts 8k --chunk-tokens 512 --decode-tokens 256)
+decode() {  # the 8B bf16 decode rate at 4k-32k (reuse's prefill, 128 tokens), beside its weights-read bound
+  local model=(--model "$(tokenizer)" --shape llama-3.1-8b --random-weights --contexts 4k,8k,16k,32k --chunk-tokens 512 --decode-tokens 128)
   [ "$DRY" = 1 ] && model=(--contexts 256 --chunk-tokens 64 --decode-tokens 4)
   kvrag bench speed "${model[@]}" --store memory:// --device "$DEV" --dtype "$DT" --methods reuse --repeats 1 \
     --out "$W/decode-8b" 2>&1 | grep -v "it/s" | tail -8
-  cp "$W/decode-8b/speed.md" "$OUT/decode-8b-8k.md" && cp "$W/decode-8b/speed.json" "$OUT/decode-8b-8k.json"
+  cp "$W/decode-8b/speed.md" "$OUT/decode-8b.md" && cp "$W/decode-8b/speed.json" "$OUT/decode-8b.json"
 }
 
-profile() {  # issue #39: where a decode step's time goes (each rate line lands in $OUT as it is printed)
+prefill() {  # the GPU prefill: one reuse prefill profiled at 4k and 32k (ops, host syncs, copies, CPU and CUDA time by op)
+  local args=("$(tokenizer)" --contexts 4k,32k --store "host://?pin=1")
+  [ "$DRY" = 1 ] && args=(--shape none --contexts 256 --chunk-tokens 64 --store memory:// --repeats 1)
+  py "$REPO/scripts/gpu/prefill_profile.py" "${args[@]}" --device "$DEV" --dtype "$DT" 2>&1 | grep -v "it/s\|Warn\|USDT" \
+    > "$OUT/prefill-profile.txt"
+  local rc=$?; grep "^==\|^kernel" "$OUT/prefill-profile.txt"; return $rc
+}
+
+tiers() {  # reuse from every tier of the CUDA default stack (hot, warm, cold, cold from the device), beside Full
+  local model=(--model "$(tokenizer)" --shape llama-3.1-8b --random-weights --contexts 4k,16k,32k --chunk-tokens 512 --repeats 3)
+  [ "$DRY" = 1 ] && model=(--contexts 256 --chunk-tokens 64 --repeats 1)
+  kvrag bench speed "${model[@]}" --tiers hot,warm,cold,device --device "$DEV" --dtype "$DT" --methods reuse,epic \
+    --out "$W/speed-tiers" 2>&1 | grep -v "it/s" | tail -12
+  cp "$W/speed-tiers/speed.md" "$OUT/speed-tiers.md" && cp "$W/speed-tiers/speed.json" "$OUT/speed-tiers.json"
+}
+
+profile() {  # where a decode step's time goes: one step alone and one batched at 8 rows
   local args=("$(tokenizer)"); [ "$DRY" = 1 ] && args=(--shape none --chunks 2 --chunk-tokens 64 --tokens 4 --profile-tokens 2)
   py "$REPO/scripts/gpu/decode_profile.py" "${args[@]}" --device "$DEV" --dtype "$DT" 2>&1 | grep -v "it/s\|Warn" \
-    > "$OUT/decode-8b-8k-profile.txt"
-  local rc=$?; head -3 "$OUT/decode-8b-8k-profile.txt"; return $rc
+    > "$OUT/decode-profile.txt"
+  local rc=$?; head -3 "$OUT/decode-profile.txt"; return $rc
 }
 
 serve() {  # issue #35: `kvrag serve` on the 8B shape (random weights, bf16) at 1-16 clients (prepare.sh adds the web stack)
-  local model=(--shape llama-3.1-8b --model "$(tokenizer)" --n 16 --max-new-tokens 64 --concurrency "1,2,4,8,16")
+  local model=(--shape llama-3.1-8b --model "$(tokenizer)" --n 16 --max-new-tokens 64 --concurrency "1,2,4,8,16")  # 16 requests a count
   [ "$DRY" = 1 ] && model=(--n 2 --max-new-tokens 2 --concurrency "1,2")
   # server_bench.py rewrites its tables in $OUT after each client count (a step cut at its cap keeps the
   # counts it finished, marked partial); its log comes back as it runs
@@ -129,25 +154,38 @@ serve() {  # issue #35: `kvrag serve` on the 8B shape (random weights, bf16) at 
 
 timed() {  # timed NAME CAP_S: run step NAME for at most CAP_S seconds (and never past the call's deadline)
   local name=$1 cap=$2 left t0 rc
+  [ "$DRY" = 1 ] && cap=$((cap * 4))  # the dry run's CPU is slower than the GPU it stands in for
   left=$((DEADLINE - $(date +%s)))
   [ "$left" -lt "$cap" ] && cap=$left
-  if [ "$cap" -lt 10 ]; then note "$name: skipped (the call's ${FIRST_BUDGET_S:-420} s are spent)"; return 0; fi
+  if [ "$cap" -lt 10 ]; then note "$name: skipped (the call's budget is spent)"; return 0; fi
   t0=$(date +%s)
   timeout --kill-after=5 "$cap" bash "$REPO/scripts/gpu/device.sh" "$name"
   rc=$?
   note "$name: rc $rc, $(( $(date +%s) - t0 )) s (cap $cap s)"
 }
 
-first() {  # call 1 of a lending: the CUDA tests, the 8B decode table and profile, the 8B serving table (see the top)
-  DEADLINE=$(( $(date +%s) + ${FIRST_BUDGET_S:-420} ))
+begin() {  # begin BUDGET_S: a call's deadline, its chain.log, the set-up (kept on a warm machine)
+  DEADLINE=$(( $(date +%s) + $1 ))
   : > "$OUT/chain.log"
   local t0; t0=$(date +%s)
   { setup && provenance; } || { note "setup failed"; return 1; }
   note "setup: $(( $(date +%s) - t0 )) s"
-  timed tests 90
-  timed decode 70
-  timed serve 180
-  timed profile 50
+}
+
+first() {  # call 1 of a lending: the GPU prefill (see the top)
+  begin "${FIRST_BUDGET_S:-330}" || return 1
+  timed tests 80
+  timed prefill 50
+  timed store 30
+  timed tiers 140
+  ls -l "$OUT"
+}
+
+second() {  # call 2 of a lending: many users on one GPU (see the top)
+  begin "${SECOND_BUDGET_S:-290}" || return 1
+  timed decode 90
+  timed serve 150
+  timed profile 45
   ls -l "$OUT"
 }
 
@@ -218,16 +256,18 @@ speed() {  # issues #20/#22: TTFT vs context, layer-wise loading on and off, dec
   cp "$W/speed-$name/speed.md" "$OUT/$name.md"; cp "$W/speed-$name/speed.json" "$OUT/$name.json"
 }
 
-store() {  # issue #22: each tier's read bandwidth beside plain reads and host-to-device copies (pinned, pageable)
-  py -m kvrag.eval.store_bench "$W/store" --tiers-only --rounds 30 2>&1 | tee "$OUT/store-tiers.md" | tail -15
+store() {  # each tier's read bandwidth beside plain reads and host-to-device copies (pinned, pageable)
+  local rounds=20; [ "$DRY" = 1 ] && rounds=2
+  py -m kvrag.eval.store_bench "$W/store" --tiers-only --rounds "$rounds" 2>&1 | tee "$OUT/store-tiers.md" | tail -15
 }
 
-step=${1:?usage: device.sh first|setup|tests|decode|serve|profile|stash N|distill MINUTES [TOPK]|gate|store|speed 8b|1b STORE [light]}
+step=${1:?usage: device.sh first|second|setup|tests|prefill|store|tiers|decode|serve|profile|stash N|distill MINUTES [TOPK]|gate|speed 8b|1b STORE [light]}
 shift
 case $step in
   first) first ;;
+  second) second ;;
   setup) : > "$OUT/chain.log"; setup && provenance ;;
-  tests | decode | serve | profile | gate | store) setup > /dev/null && "$step" ;;
+  tests | prefill | tiers | decode | serve | profile | gate | store) setup > /dev/null && "$step" ;;
   speed) setup > /dev/null && speed "$@" ;;
   stash) stash "$@" ;;
   distill) setup > /dev/null && distill "$@" ;;
