@@ -7,8 +7,9 @@ cost their sum (about 0.6 of a plain read). Both release the GIL, so threads can
 
 How: every entry file is cut into pieces (`PIECE` bytes, in file order). Each thread -- the caller
 and up to `threads - 1` helpers from the store's pool -- takes an entry of its own, reads its pieces
-with `os.preadv` straight into the entry's buffer and hashes each one right after reading it, while
-it is still in that core's cache; after the last piece it compares the checksum
+with `os.preadv` straight into the entry's buffer and hashes each one as it lands, `HASH_STEP` bytes
+at a time, while they are still in that core's cache (xxh3 runs ~4x faster there than out of
+memory: ~40 against ~10 GB/s on the 2-core machine); after the last piece it compares the checksum
 (format.finish_entry) and takes the next entry. Entries are opened a few at a time (`WINDOW`, fewer
 when fewer are left per thread), so a large request keeps only a few files open: the thread that
 opens them reads each one's small first piece (`FIRST`), parses its header and builds its tensor
@@ -46,6 +47,7 @@ from .byte_store import Fetched
 from .format import MAX_ENTRY_BYTES, MAX_HEADER_BYTES, MacKey, PreparedEntry, checksum_start, finish_entry, parse_header, prepare_entry
 
 PIECE = 1 << 20  # the unit a thread claims and hashes: large enough to keep locking rare, small enough to stay in cache
+HASH_STEP = 256 << 10  # a piece its own hasher reads is read and hashed this much at a time (in cache: ~40 against ~10 GB/s)
 FIRST = 64 << 10  # an entry's first piece: enough for its header
 WINDOW = 8  # entries a thread opens and prepares in one go (fewer when fewer are left per thread)
 PARALLEL = hasattr(os, "preadv")  # positional reads: several threads can read one file at once
@@ -255,10 +257,7 @@ class ReadBatch:
             if isinstance(job, _Prep):
                 outcome = (job, self._prep(job))
             elif isinstance(job, Piece):
-                got = self._read(job)
-                if job.hash:
-                    self._consume(job.file, job, got)
-                outcome = (job, got)
+                outcome = (job, self._read_hashing(job) if job.hash else self._read(job))
             elif isinstance(job, EntryFile):
                 outcome = (job, self._finish(job))
             else:
@@ -373,13 +372,29 @@ class ReadBatch:
 
     def _read(self, p: Piece) -> int:
         """Read a piece into its entry's buffer; returns the position reached."""
-        f = p.file
+        return self._read_range(p.file, p.begin, p.end)
+
+    @staticmethod
+    def _read_range(f: EntryFile, begin: int, end: int) -> int:
         if f.failed is not None:  # read unlocked: a stale None only costs a wasted read of a bad entry
-            return p.begin
+            return begin
         try:
-            return pread_into(f.fd, f.view, p.begin, p.end)
+            return pread_into(f.fd, f.view, begin, end)
         except OSError as exc:
             raise StoreError(f"cannot read {f.name}: {exc}") from exc
+
+    def _read_hashing(self, p: Piece) -> int:
+        """Read a piece its reader hashes (this thread holds `f.busy`), `HASH_STEP` bytes at a time, each
+        step hashed right after it lands, while it is still in this core's cache; returns the position reached."""
+        f, at = p.file, p.begin
+        while at < p.end:
+            stop = min(p.end, at + HASH_STEP)
+            reached = self._read_range(f, at, stop)
+            self._consume_range(f, stop, reached)
+            if reached < stop:
+                return reached
+            at = stop
+        return at
 
     def _hash_landed(self, f: EntryFile, n: int) -> int:
         """Hash `n` landed pieces of `f` in order (this thread holds `f.busy`); returns `n`."""
@@ -389,12 +404,16 @@ class ReadBatch:
 
     def _consume(self, f: EntryFile, p: Piece, reached: int) -> None:
         """Hash a landed piece (the next in `f`'s order; this thread holds `f.busy`)."""
+        self._consume_range(f, p.end, reached)
+
+    def _consume_range(self, f: EntryFile, end: int, reached: int) -> None:
+        """Hash `f`'s bytes up to `end`, which landed up to `reached` (contiguous from what is hashed)."""
         if f.failed is not None:
             return
-        if reached < p.end:
+        if reached < end:
             self._fail(f, CorruptEntryError(f"entry file shrank while read ({reached} of {f.size} bytes)"))
         else:
-            f.reached = p.end
+            f.reached = end
             self._hash(f)
 
     def _hash(self, f: EntryFile) -> None:

@@ -178,11 +178,41 @@ def test_disk_read_buffers_are_never_reused_while_viewed(tmp_path):
     assert store.buffers.reused > reused  # once nothing views a buffer, it is recycled
 
 
-def test_mapped_reads_are_the_default_off_cuda_and_outlive_their_file(tmp_path):
+def test_copy_reads_are_the_default_into_buffers_of_the_callers_own(tmp_path):
+    """The default read lands every byte in a staging buffer of the process's (the pool's), which the
+    entry's tensors view: no mapping of the file, no second copy."""
+    assert DiskStore(tmp_path).read == "copy" and open_store(f"disk://{tmp_path}?read=auto").read == "copy"
+    store = DiskStore(tmp_path / "d", max_bytes=None)
+    k = content_key("owned")
+    store.put(k, entry(seed=1))
+    got = store.get(k)
+    assert not got.mapped and same(got, entry(seed=1))
+    base = got.keys.untyped_storage().data_ptr()
+    assert got.values.untyped_storage().data_ptr() == base == got.token_ids.untyped_storage().data_ptr()
+    assert store.buffers.allocated == 1
+
+
+def test_a_cold_chunk_fills_the_tiers_above_with_the_disk_reads_own_buffer(tmp_path):
+    """memory | host | disk (the CUDA default's shape, unpinned on the CPU): a cold get promotes the
+    entry into both tiers above without copying it (the old default, a mapped read, cloned it)."""
+    store = open_store(f"tiered://?tiers=memory|host|disk://{tmp_path}?max_bytes=none")
+    k = content_key("cold")
+    store.put(k, entry(seed=3))
+    for t in store.tiers[:2]:
+        t.clear()
+    got = store.get(k)
+    assert got.tier == "disk" and same(got, entry(seed=3))
+    read = got.keys.untyped_storage().data_ptr()
+    for t in store.tiers[:2]:
+        kept = t.get(k)
+        assert kept is not None and kept.keys.untyped_storage().data_ptr() == read
+    assert store.get(k).tier == "memory"
+
+
+def test_mapped_reads_outlive_their_file(tmp_path):
     """Mapped entries view the file's pages copy-on-write: a caller writing into them leaves the file
     alone, and they stay intact when the store replaces or deletes the file (rename, unlink)."""
-    store = DiskStore(tmp_path)
-    assert store.read == ("copy" if store.buffers.pin else "map") and "read='map'" in repr(DiskStore(tmp_path, read="map"))
+    assert "read='map'" in repr(DiskStore(tmp_path, read="map"))
     store = DiskStore(tmp_path, read="map")
     k = content_key("mapped")
     store.put(k, entry(seed=1))
@@ -431,7 +461,7 @@ def test_cuda_default_stack_serves_from_the_gpu(tmp_path):
     k = content_key("g")
     store.put(k, entry())
     for t in store.tiers[:2]:
-        t.delete(k)
+        t.clear()
     got = store.get(k)
     assert got.tier == "disk" and got.keys.device.type == "cuda" and torch.equal(got.keys.cpu(), entry().keys)
     assert store.get(k).tier == "gpu"
