@@ -463,21 +463,73 @@ def test_cuda_default_stack_serves_from_the_gpu(tmp_path):
     for t in store.tiers[:2]:
         t.clear()
     got = store.get(k)
-    assert got.tier == "disk" and got.keys.device.type == "cuda" and torch.equal(got.keys.cpu(), entry().keys)
+    kept = entry().keys.to(torch.bfloat16).float()  # the default disk tier keeps bf16 (DEFAULT_DISK_PRECISION)
+    assert got.tier == "disk" and got.keys.device.type == "cuda" and torch.equal(got.keys.cpu(), kept)
     assert store.get(k).tier == "gpu"
+
+
+@cuda
+def test_cuda_default_stack_serves_cold_chunks_from_pinned_reads_and_fills_the_host_tier(tmp_path):
+    """A cold get of bf16 KV (the GPU default): read into pinned staging buffers, kept as they are by
+    the host tier (keys and values still views of one read buffer: no copy), uploaded on the side
+    stream in groups (tiered.READ_GROUP) with the current stream ordered after the copies, so work
+    queued next sees every byte without a host sync."""
+    from kvrag.cache_backends.tiered import READ_GROUP
+
+    store = open_store(None, tmp_path, device="cuda")
+    keys = [content_key("c", str(i)) for i in range(READ_GROUP + 3)]  # more than one group
+    want = [entry(seed=i, tokens=64, dtype=torch.bfloat16) for i in range(len(keys))]
+    for k, e in zip(keys, want):
+        store.put(k, e)
+    for t in store.tiers[:2]:
+        t.clear()
+    got = store.get_many(keys)
+    sums = [e.keys.float().sum() + e.values.float().sum() for e in got]  # queued right after the copies
+    for k, e, w, total in zip(keys, got, want, sums):
+        assert e.tier == "disk" and e.keys.is_cuda and torch.equal(e.keys.cpu(), w.keys) and torch.equal(e.values.cpu(), w.values)
+        assert torch.allclose(total.cpu(), w.keys.float().sum() + w.values.float().sum())
+        host = store.tiers[1].get(k)
+        assert host is not None and host.keys.is_pinned()
+        assert host.keys.untyped_storage().data_ptr() == host.values.untyped_storage().data_ptr()  # the read's own buffer
+    assert all(e.tier == "gpu" for e in store.get_many(keys))
 
 
 # -- the bench ---------------------------------------------------------------------------------------
 def test_tier_bandwidth_reports_every_tier_beside_the_plain_read(tmp_path):
-    from kvrag.eval.store_bench import random_entries, tier_bandwidth, tiers_markdown
+    """The tier table's JSON carries the disk tier's get into the caller's memory against a plain
+    readinto of the same files, as a ratio, and the rows it is made of (no speed is asserted)."""
+    from kvrag.eval.store_bench import random_entries, tier_bandwidth, write_tiers
 
     t = tier_bandwidth(tmp_path, random_entries(3, shape=(2, 1, 16, 8)), rounds=2)
     paths = [r["path"] for r in t["rows"]]
     assert "plain file read" in paths and any(p.startswith("disk get_many") for p in paths)
     assert "plain file read, a buffer per file" in paths and t["disk_threads"] >= 1
     assert "memory get_many" in paths and "host get_many" in paths
-    assert all(r["gb_s"] > 0 for r in t["rows"])
-    assert "| plain file read |" in tiers_markdown(t)
+    assert any(p.startswith("default stack, cold: disk -> host") for p in paths)
+    assert all(r["gb_s"] > 0 for r in t["rows"]) and t["disk_default_read"] == "copy"
+    md = write_tiers(tmp_path / "out", t)
+    saved = json.loads((tmp_path / "out" / "tiers.json").read_text())
+    d = saved["disk_vs_plain_read"]
+    by = {r["path"]: r["gb_s"] for r in saved["rows"]}
+    assert d["disk"] in by and d["disk"].endswith("(default)") and d["plain"] == "plain file read" and d["stack"] in by
+    assert d["ratio"] == pytest.approx(by[d["disk"]] / by["plain file read"])
+    assert d["ratio_vs_a_buffer_per_file"] == pytest.approx(by[d["disk"]] / by["plain file read, a buffer per file"])
+    assert d["stack_ratio"] == pytest.approx(by[d["stack"]] / by["plain file read"])
+    assert {"entries", "entry_mb", "rounds", "cpus", "load_avg", "pinned"} <= set(saved)
+    assert "| plain file read |" in md and f"plain readinto of the same files: {d['ratio']:.2f}" in md
+
+
+def test_the_bench_store_command_writes_the_tier_table(tmp_path, monkeypatch):
+    from kvrag.cli.app import main
+    from kvrag.eval import store_bench
+
+    small = store_bench.random_entries(2, shape=(2, 1, 8, 8))
+    monkeypatch.setattr(store_bench, "random_entries", lambda *a, **k: small)
+    real = store_bench.tier_bandwidth
+    monkeypatch.setattr("kvrag.cli.bench_run.tier_bandwidth", lambda out: real(out, rounds=1))
+    assert main(["bench", "store", "--tiers-only", "--out", str(tmp_path)]) == 0
+    assert "ratio" in json.loads((tmp_path / "tiers.json").read_text())["disk_vs_plain_read"]
+    assert (tmp_path / "tiers.md").is_file()
 
 
 @pytest.mark.parametrize("read", ["map", "copy"])
