@@ -107,7 +107,7 @@ def test_speed_sweep_times_reuse_from_every_tier_of_the_stack(tmp_path):
 
     rag = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store=tier_stack_url(tmp_path / "kv", "cpu"))
     assert rag.store.names == ["memory", "host", "disk"]
-    reuse = Setting("reuse", params=(("short_context", 0),))  # 64 tokens: read whole otherwise
+    reuse = Setting("reuse", params=(("short_context", 0),))  # 64 tokens: read whole by the shipped limit
     opts = SweepOptions(chunk_tokens=32, repeats=2, tiers=TIERS, progress=False)
     rows = speed_sweep(rag, [64], [reuse], opts)
     device = filesystem(tmp_path) not in ("tmpfs", "ramfs")  # on tmpfs there is no device to read from
@@ -126,6 +126,10 @@ def test_speed_sweep_times_reuse_from_every_tier_of_the_stack(tmp_path):
     assert "| KV from |" in md and "host (warm)" in md and "KV per tier (hot: memory" in md
     saved = json.loads((tmp_path / "out" / "speed.json").read_text())["rows"]
     assert [(r["tier"], r["store"]) for r in saved] == [(r["tier"], r["store"]) for r in rows]
+    # a reuse setting that reads a short prompt whole loads nothing, and its row says so
+    whole = Setting("reuse", params=(("short_context", 768),))  # the shipped limit (the suite turns it off)
+    short = speed_sweep(rag, [64], [whole], SweepOptions(chunk_tokens=32, repeats=1, tiers=("cold",), progress=False))
+    assert short[1]["served"] == {} and short[1]["kv_from"].startswith("– (read whole")
     # a store of one tier has no per-tier rows, and says why; --tiers is checked
     plain = plan_tiers(KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://").store, TIERS)
     assert plain.levels == {} and "no tiers" in plain.notes[0]

@@ -118,6 +118,7 @@ class _Timing:
     layerwise: bool
     load_wait_s: float
     served: dict[str, int]
+    full_reason: str
 
 
 @contextmanager
@@ -155,6 +156,7 @@ def _timed(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, plan: TierPlan) -> 
         layerwise=s.layerwise,
         load_wait_s=s.load_wait_s,
         served=dict(s.tiers),
+        full_reason=s.full_reason,
     )
 
 
@@ -232,6 +234,7 @@ def speed_sweep(
                 "tier": v.tier,
                 "store": plan.names.get(v.tier) if v.tier else None,
                 "served": ts[-1].served,  # the tiers that served the last repeat's chunks
+                "full_reason": ts[-1].full_reason,  # a reuse setting that read the whole prompt instead, and why
             }
             row["kv_from"] = kv_from(row)
             for part in ts[0].parts:

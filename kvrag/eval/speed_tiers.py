@@ -142,6 +142,8 @@ def kv_from(row: Mapping[str, Any]) -> str:
     when that differs (an upper tier too small for the context)."""
     if row.get("method") == "full":
         return "– (computed)"
+    if row.get("full_reason"):
+        return f"– (read whole: {row['full_reason']})"
     got = served(row.get("served") or {})
     tier = row.get("tier")
     if tier is None:
