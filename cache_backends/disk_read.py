@@ -18,8 +18,8 @@ runs after megabytes of copying have evicted it from the cache (~1.8 ms of CPU s
 entries, measured).
 When no entry is left to take, a thread helps with another's: it reads that entry's next piece,
 and the entry's hasher takes it in order (a single large entry is read by all threads this way).
-An entry is hashed by one thread at a time, pieces strictly in file order. With one thread this is
-the plain serial loop: read a piece, hash it.
+An entry is hashed by one thread at a time, pieces strictly in file order. With one thread (no
+helpers) it is the plain serial loop, with no job queue: read a step, hash it (`_serial`).
 
 Verification: every byte of an entry, header and data, goes through its checksum (or,
 with a store key, its MAC: format.MacKey) before `finish_entry` hands out any tensor; a bad header,
@@ -195,7 +195,10 @@ class ReadBatch:
         spawn = (pool, helpers) if pool is not None and helpers > 0 else None
         self._threads = 1 + (helpers if spawn else 0)
         try:
-            self._work(_Worker(), spawn)
+            if spawn is None:
+                self._serial()
+            else:
+                self._work(_Worker(), spawn)
             with self._cv:
                 if self._error is not None:
                     raise self._error
@@ -209,6 +212,28 @@ class ReadBatch:
             self._files, self._active = [], []
         results, self._results = self._results, []  # a helper task may outlive the call: it must hold no buffer
         return results
+
+    def _serial(self) -> None:
+        """One reader: each entry in turn, its first piece (`FIRST`) then `HASH_STEP` at a time, each
+        step hashed as it lands; no job queue and no lock a piece (on a busy small machine the
+        per-piece bookkeeping costs as much as the hashing)."""
+        for i in range(self._count):
+            f = self._open(i)
+            if not isinstance(f, EntryFile):
+                self._results[i] = f
+                continue
+            self._files.append(f)
+            at, size, view, step = 0, f.size, f.view, min(HASH_STEP, self._piece)
+            while at < size and f.failed is None:
+                stop = min(size, at + (step if at else min(step, FIRST)))
+                reached = self._read_range(f, at, stop)
+                if f.header is not None and reached == stop and f.hashed == at:  # the common step, inline
+                    f.hasher.update(view[at:stop])
+                    f.reached = f.hashed = stop
+                else:  # the header, or a file that shrank
+                    self._consume_range(f, stop, reached)
+                at = stop if reached >= stop else size
+            self._results[i] = self._finish(f)
 
     def _spawn(self, pool: Executor, helpers: int) -> None:
         try:
