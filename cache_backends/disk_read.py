@@ -223,16 +223,10 @@ class ReadBatch:
                 self._results[i] = f
                 continue
             self._files.append(f)
-            at, size, view, step = 0, f.size, f.view, min(HASH_STEP, self._piece)
-            while at < size and f.failed is None:
-                stop = min(size, at + (step if at else min(step, FIRST)))
-                reached = self._read_range(f, at, stop)
-                if f.header is not None and reached == stop and f.hashed == at:  # the common step, inline
-                    f.hasher.update(view[at:stop])
-                    f.reached = f.hashed = stop
-                else:  # the header, or a file that shrank
-                    self._consume_range(f, stop, reached)
-                at = stop if reached >= stop else size
+            at, step = 0, min(HASH_STEP, self._piece)
+            while at < f.size and f.failed is None:
+                stop = min(f.size, at + (step if at else min(step, FIRST)))
+                at = stop if self._step(f, at, stop) >= stop else f.size
             self._results[i] = self._finish(f)
 
     def _spawn(self, pool: Executor, helpers: int) -> None:
@@ -366,7 +360,7 @@ class ReadBatch:
                     f.pieces.append(p)
                     f.next_at, f.sealed, f.busy = p.end, p.end >= f.size, True  # nobody else sees f yet
                     p.reached = self._read(p)
-                    self._consume(f, p, p.reached)
+                    self._consume_range(f, p.end, p.reached)
                     f.consumed, f.busy = 1, False
                     if f.sealed:  # read whole, or failed
                         out[-1] = (i, self._finish(f))
@@ -414,25 +408,31 @@ class ReadBatch:
         f, at = p.file, p.begin
         while at < p.end:
             stop = min(p.end, at + HASH_STEP)
-            reached = self._read_range(f, at, stop)
-            self._consume_range(f, stop, reached)
+            reached = self._step(f, at, stop)
             if reached < stop:
                 return reached
             at = stop
         return at
 
+    def _step(self, f: EntryFile, at: int, stop: int) -> int:
+        """Read `f`'s bytes at..stop, next in its hash order (this thread holds `f.busy`), and hash them
+        right away; returns the position reached."""
+        reached = self._read_range(f, at, stop)
+        if f.header is not None and reached == stop and f.hashed == at and f.failed is None:  # the common case, inline
+            f.hasher.update(f.view[at:stop])
+            f.reached = f.hashed = stop
+        else:  # the header, a file that shrank, a failed entry
+            self._consume_range(f, stop, reached)
+        return reached
+
     def _hash_landed(self, f: EntryFile, n: int) -> int:
         """Hash `n` landed pieces of `f` in order (this thread holds `f.busy`); returns `n`."""
         for p in f.pieces[f.consumed : f.consumed + n]:
-            self._consume(f, p, p.reached)  # type: ignore[arg-type]
+            self._consume_range(f, p.end, p.reached)  # type: ignore[arg-type]
         return n
 
-    def _consume(self, f: EntryFile, p: Piece, reached: int) -> None:
-        """Hash a landed piece (the next in `f`'s order; this thread holds `f.busy`)."""
-        self._consume_range(f, p.end, reached)
-
     def _consume_range(self, f: EntryFile, end: int, reached: int) -> None:
-        """Hash `f`'s bytes up to `end`, which landed up to `reached` (contiguous from what is hashed)."""
+        """Hash `f`'s bytes up to `end` (next in its order; this thread holds `f.busy`), landed up to `reached`."""
         if f.failed is not None:
             return
         if reached < end:
