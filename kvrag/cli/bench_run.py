@@ -151,7 +151,8 @@ def _named_adapters(specs: list[str]) -> dict[str, Path]:
 def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float, meta: dict, store: str, random_weights: bool = False,
                  tiers: tuple[str, ...] = ()) -> None:
     parsed = [parse_method(m) for m in methods]
-    settings = [Setting("full"), Setting("reuse")] + [Setting(m, ratio, params=p) for m, p in parsed if m not in ("full", "reuse")]
+    reuse = next((p for m, p in parsed if m == "reuse"), ())  # e.g. reuse:short_context=0 (a short prompt is read whole otherwise)
+    settings = [Setting("full"), Setting("reuse", params=reuse)] + [Setting(m, ratio, params=p) for m, p in parsed if m not in ("full", "reuse")]
     opts = SweepOptions(chunk_tokens=args.chunk_tokens, repeats=args.repeats, decode_tokens=args.decode_tokens, layerwise=args.layerwise,
                         tiers=tiers)
     rows = speed_sweep(rag, parse_sizes(args.contexts), settings, opts)
