@@ -441,6 +441,32 @@ def test_default_store_url_per_device(tmp_path):
     assert isinstance(plain, DiskStore) and storage_of(plain.quantize) == DEFAULT_DISK_PRECISION
 
 
+def test_a_lower_tier_is_read_in_groups_when_a_tier_above_is_on_a_gpu(tmp_path, monkeypatch):
+    """The CUDA stack's pipelining, its logic on the CPU: with a GPU tier above, the disk tier is read
+    READ_GROUP entries at a time (each group's upload runs while the next is read); without, at once."""
+    from kvrag.cache_backends.memory import to_device
+    from kvrag.cache_backends.tiered import READ_GROUP
+
+    disk = DiskStore(tmp_path, max_bytes=None)
+    assert TieredStore([MemoryStore(device="cuda"), disk])._group == READ_GROUP  # nothing touches CUDA here
+    store = TieredStore([MemoryStore(), HostStore(), disk])
+    assert store._group == 0
+    keys = [content_key("g", str(i)) for i in range(5)]
+    for i, k in enumerate(keys):
+        store.put(k, entry(seed=i))
+    store.tiers[0].clear()
+    store.tiers[1].clear()
+    store._group = 2  # as with a GPU tier on top
+    calls, real = [], disk.get_many
+    monkeypatch.setattr(disk, "get_many", lambda ks: calls.append(list(ks)) or real(ks))
+    got = store.get_many(keys)
+    assert calls == [keys[0:2], keys[2:4], keys[4:]]
+    assert all(e.tier == "disk" and same(e, entry(seed=i)) for i, e in enumerate(got))
+    assert all(store.tiers[1].contains(k) for k in keys)  # the host tier filled on the way
+    t = torch.ones(3)
+    assert to_device(t, torch.device("cpu")) is t and to_device(t, torch.device("cpu"), copy=True) is not t
+
+
 # -- CUDA: pinned buffers and the GPU tier -----------------------------------------------------------
 @cuda
 def test_pinned_disk_reads_and_host_tier(tmp_path):
