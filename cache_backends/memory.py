@@ -87,6 +87,13 @@ class MemoryStore:
             return to_device(t, self.device, copy=mapped)
         return t.clone() if mapped else t
 
+    def _ids(self, entry: KVEntry) -> torch.Tensor | None:
+        """The token ids as kept: a copy of their own where the file's pages hold them (mapped) or where
+        the tensors moved off the host (a GPU tier), so a view never keeps the whole read buffer alive."""
+        ids = entry.token_ids
+        moved = self.device is not None and self.device.type != "cpu"
+        return ids.clone() if ids is not None and (entry.mapped or moved) else ids
+
     def put(self, key: str, entry: KVEntry) -> KVEntry | None:
         """Keep `entry` (moved to this tier's memory); returns the entry as kept, None if too large."""
         check_key(key)
@@ -98,7 +105,7 @@ class MemoryStore:
             keys=self._to_tier(entry.keys, entry.mapped),
             values=self._to_tier(entry.values, entry.mapped),
             meta=dict(entry.meta),
-            token_ids=entry.token_ids.clone() if entry.mapped and entry.token_ids is not None else entry.token_ids,
+            token_ids=self._ids(entry),
             tier=None,
             mapped=False,
         )

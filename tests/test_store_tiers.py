@@ -517,6 +517,8 @@ def test_cuda_default_stack_serves_cold_chunks_from_pinned_reads_and_fills_the_h
         host = store.tiers[1].get(k)
         assert host is not None and host.keys.is_pinned()
         assert host.keys.untyped_storage().data_ptr() == host.values.untyped_storage().data_ptr()  # the read's own buffer
+        ids = store.tiers[0].get(k).token_ids  # the GPU tier's own copy: no view keeps the read buffer alive
+        assert ids.untyped_storage().data_ptr() != host.keys.untyped_storage().data_ptr()
     assert all(e.tier == "gpu" for e in store.get_many(keys))
 
 
