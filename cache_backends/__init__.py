@@ -2,7 +2,7 @@
 
 - `memory://?max_bytes=N&device=cuda` — in-process LRU (with `device`, kept on that device: the GPU tier)
 - `host://?max_bytes=N&pin=1` — CPU-RAM LRU, pinned for fast uploads; default cap 25% of RAM
-- `disk:///path?max_bytes=N&quantize=int8&pin=1&threads=T&read=map|copy` — the embedded default; cap 20 GiB
+- `disk:///path?max_bytes=N&quantize=int8&pin=1&threads=T&read=copy|map` — the embedded default; cap 20 GiB
   unless given (`max_bytes=none`: no cap)
 - `redis://[:password@]host:port/db?ttl=S` (also `rediss://`) — shared by many workers
 - `tiered://?workers=W&tiers=<url>|<url>|...` — tiers fastest first, `tiers=` last (see tiered.py);

@@ -1,16 +1,19 @@
 """A folder of entries: hashed, sharded file names, atomic writes, parallel zero-copy reads, a size cap.
 
-Reads, two ways, both zero-copy past the kernel and both checking every byte, header and data,
-against the entry's xxh3 checksum (with a store key, its MAC: format.MacKey) before anything is
-returned, and both refusing a file larger than the store's entry bound on its fstat, before any
-buffer is taken or any page mapped (`limit_entry_bytes`; the size cap bounds an entry too):
-- "map" (the default unless buffers are pinned; disk_map): the file's pages are mapped
-  copy-on-write and the tensors view them, so a read costs one checksum pass over the page cache.
-- "copy" (the default with `pin=True` on CUDA; disk_read.ReadBatch): each file is read once into a
-  host buffer of its own (pinned, so the host-to-device copy that follows is a fast DMA; see
-  host.BufferPool for the lifetime rule) by `threads` readers (default: the CPU count, at most 4;
-  the caller is one of them) with `preadv`, which releases the GIL, each piece hashed as it lands.
-`disk:///path?read=map|copy` chooses.
+Reads, two ways, both checking every byte, header and data, against the entry's xxh3 checksum (with
+a store key, its MAC: format.MacKey) before anything is returned, and both refusing a file larger
+than the store's entry bound on its fstat, before any buffer is taken or any page mapped
+(`limit_entry_bytes`; the size cap bounds an entry too):
+- "copy" (the default; disk_read.ReadBatch): each file is read once, by `threads` readers (default:
+  the CPU count, at most 4; the caller is one of them) with `preadv`, which releases the GIL, into
+  a staging buffer of its own that the entry's tensors view (no further copy; pinned with `pin=True`
+  on CUDA, so the host-to-device copy that follows is an asynchronous DMA; see host.BufferPool for
+  the lifetime rule), each piece hashed as it lands. The bytes are the caller's memory: a tier
+  above keeps them as they are (the host tier on CUDA keeps the pinned buffer itself).
+- "map" (disk_map): the file's pages are mapped copy-on-write and the tensors view them: one
+  checksum pass over the page cache, but pages of the file, not the process's memory, so a tier
+  that keeps the entry copies it first, and a GPU copy from them is a pageable one.
+`disk:///path?read=copy|map` chooses ("auto", the older default's name, means copy).
 
 Safe with several processes: every write goes to a temp file in the target folder and is renamed
 over the final name, so readers see the old file or the whole new one; two writers of one key
@@ -121,8 +124,8 @@ class DiskStore(DiskIndex, ByteStore):
         key: str | bytes | MacKey | None = None,
         warn_unsigned: bool = True,
     ) -> None:
-        """`read`: "map" (tensors view the file's pages, see disk_map), "copy" (into buffers of the
-        process, pinned with `pin`: see disk_read) or "auto": copy when the buffers are pinned, else map.
+        """`read`: "copy" (the default, "auto" too: into staging buffers of the process, pinned with
+        `pin`: see disk_read) or "map" (tensors view the file's pages, see disk_map).
         `clean_temp=False` leaves stale temp files alone on open (`kvrag store` lists them first).
         `key`: entries are signed and checked with it (default `$KVRAG_STORE_KEY`; see ByteStore); with
         one, opening looks at a few entry headers and warns once if some are unsigned (`warn_unsigned`)."""
@@ -139,7 +142,7 @@ class DiskStore(DiskIndex, ByteStore):
         self.buffers = BufferPool(pin=pin)
         if read not in READ_MODES:
             raise StoreError(f"disk store read mode must be one of {', '.join(READ_MODES)} (got {read!r})")
-        self.read = ("copy" if self.buffers.pin else "map") if read == "auto" else read
+        self.read = "copy" if read == "auto" else read
         self.threads = max(1, threads or min(4, os.cpu_count() or 1))  # readers, the caller included
         self._pool: ThreadPoolExecutor | None = None
         self.temp_cleaned = self.clean_temp() if clean_temp else 0
@@ -214,6 +217,31 @@ class DiskStore(DiskIndex, ByteStore):
             for i, got in zip(range(j, n, t), fut.result()):
                 out[i] = got
         return out
+
+    def drop_page_cache(self, keys: Sequence[str] | None = None) -> int:
+        """Ask the kernel to drop the cached pages of these entries' files (None: every entry), written
+        back first, so their next read comes from the device (`kvrag bench speed`'s cold-from-the-device
+        rows). Returns how many files were advised: 0 where the OS has no `posix_fadvise`. Pages that a
+        live mapping holds (read=map) stay, and on tmpfs the pages are the files themselves."""
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is None:  # pragma: no cover - not POSIX
+            return 0
+        paths = [self._file(check_key(k)) for k in keys] if keys is not None else [e.path for e in self._files()]
+        done = 0
+        for path in paths:
+            opened = open_entry_file(path)
+            if not isinstance(opened[0], int):
+                continue
+            fd = opened[0]
+            try:
+                os.fdatasync(fd)  # dirty pages are not dropped
+                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                done += 1
+            except OSError as exc:
+                log.debug("could not drop the cached pages of %s: %s", path, exc)
+            finally:
+                os.close(fd)
+        return done
 
     # -- writes and the size cap ------------------------------------------------------------------
     def _refused(self, exc: SymlinkedFolderError) -> None:

@@ -1,14 +1,11 @@
 """Disk reads by mapping: an entry file's pages are mapped copy-on-write and its tensors view them.
 
-Why: on a small CPU a verified copy out of the page cache costs the kernel's copy plus the checksum
-pass; a mapping costs only the checksum's pass over the pages, which also faults them in. On the
-2-core machine, 10 warm entries of 6.9 MB: mapped and verified ~15-22 GB/s, against ~8-17 GB/s for a
-plain read of the same files into one reused buffer (it varies with the page cache's state) and
-~9 GB/s for the threaded copy path (`kvrag bench store`).
-
-Where not: into pinned buffers (`pin=True` on CUDA). Mapped pages are pageable, and the host-to-device
-copy that follows runs ~7x faster from pinned memory (45 against 6.5 GB/s on an H100 machine), whose
-16 cores also make the copy path reach a plain read; there `disk_read.ReadBatch` copies instead.
+Why (`disk:///path?read=map`; the default is `read=copy`, disk_read): a mapping costs only the
+checksum's pass over the page cache, which also faults the pages in. But the pages are the file's,
+not memory of the process: a tier that keeps the entry copies it first (a second whole-entry pass
+that a copy read never needs), and a GPU copy from them is a pageable one (~7x slower than from
+pinned memory: 7.5 against 46.7 GB/s on an H200). So it suits a lone disk store on a CPU, read once
+per request.
 
 Safety: every byte, header and data, goes through the entry's checksum before any tensor leaves
 (format.decode_entry). The mapping is private (copy-on-write): a caller writing into a returned
@@ -17,7 +14,7 @@ store only ever replaces files by rename and deletes them by unlink, but another
 an entry file in place (`: > file`, `rsync --inplace`), which makes a reader of its live mapping fault
 (SIGBUS). So a mapped entry lives only as long as one request: it is marked `mapped`, and a store that
 keeps entries (the memory tier a tiered store promotes into) copies it into memory of its own first.
-`read=copy` (`disk:///path?read=copy`) reads into buffers of the process's own instead.
+`read=copy` (the default) reads into buffers of the process's own instead.
 """
 
 from __future__ import annotations

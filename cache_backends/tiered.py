@@ -14,6 +14,11 @@ it (copied to the GPU, pinned host memory, ...), and the copy from the topmost t
 returned, with `entry.tier` naming the tier that hit. A put writes through every tier, bottom first.
 The node-id index lives in the bottom tier, the shared and persistent one.
 
+Where a tier above uploads to a GPU (the CUDA default), a lower tier is read `READ_GROUP` entries at a
+time and each group promoted as soon as it lands: its copies to the GPU are asynchronous
+(memory.to_device), so they run while the next group is read from disk, and a cold chunk fills
+the pinned host tier on the way (it keeps the disk read's pinned buffer: no copy).
+
 `prefetch(keys)` starts the same lookup-and-promote in a background thread as soon as the chunk ids
 are known (FusionRAG's loader); a later `get` takes what the top tier has and waits only for
 entries still in flight.
@@ -26,9 +31,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Sequence
 
+import torch
+
 from .redis_options import redact_url
 from .base import KVEntry, KVStore, StoreStats, check_key
 from .memory import MemoryStore
+
+READ_GROUP = 8  # entries a lower tier reads at a time when the tiers above upload to a GPU (see the module docstring)
 
 
 def tier_name(store: KVStore) -> str:
@@ -58,6 +67,7 @@ class TieredStore:
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._stats = StoreStats()
+        self._group = READ_GROUP if any(_uploads(t) for t in tiers) else 0
 
     @property
     def quantize(self) -> str:
@@ -92,11 +102,14 @@ class TieredStore:
             if not pending:
                 break
             rest = []
-            for key, entry in zip(pending, self.tiers[level].get_many(pending)):
-                if entry is None:
-                    rest.append(key)
-                else:
-                    found[key] = self._promote(key, entry, level)
+            step = self._group or len(pending)
+            for lo in range(0, len(pending), step):
+                part = pending[lo : lo + step]
+                for key, entry in zip(part, self.tiers[level].get_many(part)):
+                    if entry is None:
+                        rest.append(key)
+                    else:
+                        found[key] = self._promote(key, entry, level)
             pending = rest
         return found
 
@@ -193,6 +206,12 @@ class TieredStore:
             close = getattr(t, "close", None)
             if callable(close):
                 close()
+
+
+def _uploads(store: KVStore) -> bool:
+    """Whether the tier keeps its entries on a GPU (its puts copy them there)."""
+    device = getattr(store, "device", None)
+    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 def redact_tiers(url: str) -> str:

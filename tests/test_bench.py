@@ -99,6 +99,46 @@ def test_speed_sweep_times_layerwise_loading_both_ways_and_the_decode_rate():
         SweepOptions(layerwise="sometimes")
 
 
+def test_speed_sweep_times_reuse_from_every_tier_of_the_stack(tmp_path):
+    """Per-tier rows on the CUDA default stack's shape (memory | host | disk on the CPU): each row's KV
+    comes from the tier it names (the tiers above emptied first), and the report says which."""
+    from kvrag.eval.speed import write_speed
+    from kvrag.eval.speed_tiers import TIERS, filesystem, parse_tiers, plan_tiers, tier_stack_url
+
+    rag = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store=tier_stack_url(tmp_path / "kv", "cpu"))
+    assert rag.store.names == ["memory", "host", "disk"]
+    reuse = Setting("reuse", params=(("short_context", 0),))  # 64 tokens: read whole by the shipped limit
+    opts = SweepOptions(chunk_tokens=32, repeats=2, tiers=TIERS, progress=False)
+    rows = speed_sweep(rag, [64], [reuse], opts)
+    device = filesystem(tmp_path) not in ("tmpfs", "ramfs")  # on tmpfs there is no device to read from
+    asked = ["hot", "warm", "cold"] + (["device"] if device else [])
+    assert [r["setting"] for r in rows] == ["full"] + [f"{reuse.name}, {t}" for t in asked]
+    by = {r["tier"]: r for r in rows}
+    assert by[None]["served"] == {} and by[None]["kv_from"] == "– (computed)"
+    expect = {"hot": "memory", "warm": "host", "cold": "disk", "device": "disk"}
+    for tier in asked:
+        r = by[tier]
+        assert r["store"] == expect[tier] and r["served"] == {expect[tier]: 2}, r
+        assert r["kv_from"].startswith(expect[tier]) and r["ttft_s"] > 0 and r["full_ratio"] > 0
+    assert "cold, page cache warm" in by["cold"]["kv_from"]
+    meta = {"store": rag.store.url, "tiers": plan_tiers(rag.store, TIERS).names, "tier_notes": []}
+    md = write_speed(rows, tmp_path / "out", meta).read_text()
+    assert "| KV from |" in md and "host (warm)" in md and "KV per tier (hot: memory" in md
+    saved = json.loads((tmp_path / "out" / "speed.json").read_text())["rows"]
+    assert [(r["tier"], r["store"]) for r in saved] == [(r["tier"], r["store"]) for r in rows]
+    # a reuse setting that reads a short prompt whole loads nothing, and its row says so
+    whole = Setting("reuse", params=(("short_context", 768),))  # the shipped limit (the suite turns it off)
+    short = speed_sweep(rag, [64], [whole], SweepOptions(chunk_tokens=32, repeats=1, tiers=("cold",), progress=False))
+    assert short[1]["served"] == {} and short[1]["kv_from"].startswith("– (read whole")
+    # a store of one tier has no per-tier rows, and says why; --tiers is checked
+    plain = plan_tiers(KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://").store, TIERS)
+    assert plain.levels == {} and "no tiers" in plain.notes[0]
+    assert parse_tiers("auto", store_given=False) == TIERS and parse_tiers("auto", store_given=True) == ()
+    assert parse_tiers("cold,hot", store_given=True) == ("cold", "hot")
+    with pytest.raises(ValueError, match="unknown tier"):
+        parse_tiers("lukewarm", store_given=False)
+
+
 def test_sizes_shapes_and_sample_data():
     assert parse_sizes("512, 1k,4K") == [512, 1024, 4096]
     assert {"llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"} <= set(shape_names())

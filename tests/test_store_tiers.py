@@ -31,6 +31,7 @@ from kvrag.defaults import DEFAULT_DISK_PRECISION
 from kvrag.cache_backends.host import BufferPool, physical_memory
 
 from devices import DEVICES
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def entry(seed=0, tokens=6, dtype=torch.float32):
@@ -178,11 +179,41 @@ def test_disk_read_buffers_are_never_reused_while_viewed(tmp_path):
     assert store.buffers.reused > reused  # once nothing views a buffer, it is recycled
 
 
-def test_mapped_reads_are_the_default_off_cuda_and_outlive_their_file(tmp_path):
+def test_copy_reads_are_the_default_into_buffers_of_the_callers_own(tmp_path):
+    """The default read lands every byte in a staging buffer of the process's (the pool's), which the
+    entry's tensors view: no mapping of the file, no second copy."""
+    assert DiskStore(tmp_path).read == "copy" and open_store(f"disk://{tmp_path}?read=auto").read == "copy"
+    store = DiskStore(tmp_path / "d", max_bytes=None)
+    k = content_key("owned")
+    store.put(k, entry(seed=1))
+    got = store.get(k)
+    assert not got.mapped and same(got, entry(seed=1))
+    base = got.keys.untyped_storage().data_ptr()
+    assert got.values.untyped_storage().data_ptr() == base == got.token_ids.untyped_storage().data_ptr()
+    assert store.buffers.allocated == 1
+
+
+def test_a_cold_chunk_fills_the_tiers_above_with_the_disk_reads_own_buffer(tmp_path):
+    """memory | host | disk (the CUDA default's shape, unpinned on the CPU): a cold get promotes the
+    entry into both tiers above without copying it (the old default, a mapped read, cloned it)."""
+    store = open_store(f"tiered://?tiers=memory|host|disk://{tmp_path}?max_bytes=none")
+    k = content_key("cold")
+    store.put(k, entry(seed=3))
+    for t in store.tiers[:2]:
+        t.clear()
+    got = store.get(k)
+    assert got.tier == "disk" and same(got, entry(seed=3))
+    read = got.keys.untyped_storage().data_ptr()
+    for t in store.tiers[:2]:
+        kept = t.get(k)
+        assert kept is not None and kept.keys.untyped_storage().data_ptr() == read
+    assert store.get(k).tier == "memory"
+
+
+def test_mapped_reads_outlive_their_file(tmp_path):
     """Mapped entries view the file's pages copy-on-write: a caller writing into them leaves the file
     alone, and they stay intact when the store replaces or deletes the file (rename, unlink)."""
-    store = DiskStore(tmp_path)
-    assert store.read == ("copy" if store.buffers.pin else "map") and "read='map'" in repr(DiskStore(tmp_path, read="map"))
+    assert "read='map'" in repr(DiskStore(tmp_path, read="map"))
     store = DiskStore(tmp_path, read="map")
     k = content_key("mapped")
     store.put(k, entry(seed=1))
@@ -411,6 +442,32 @@ def test_default_store_url_per_device(tmp_path):
     assert isinstance(plain, DiskStore) and storage_of(plain.quantize) == DEFAULT_DISK_PRECISION
 
 
+def test_a_lower_tier_is_read_in_groups_when_a_tier_above_is_on_a_gpu(tmp_path, monkeypatch):
+    """The CUDA stack's pipelining, its logic on the CPU: with a GPU tier above, the disk tier is read
+    READ_GROUP entries at a time (each group's upload runs while the next is read); without, at once."""
+    from kvrag.cache_backends.memory import to_device
+    from kvrag.cache_backends.tiered import READ_GROUP
+
+    disk = DiskStore(tmp_path, max_bytes=None)
+    assert TieredStore([MemoryStore(device="cuda"), disk])._group == READ_GROUP  # nothing touches CUDA here
+    store = TieredStore([MemoryStore(), HostStore(), disk])
+    assert store._group == 0
+    keys = [content_key("g", str(i)) for i in range(5)]
+    for i, k in enumerate(keys):
+        store.put(k, entry(seed=i))
+    store.tiers[0].clear()
+    store.tiers[1].clear()
+    store._group = 2  # as with a GPU tier on top
+    calls, real = [], disk.get_many
+    monkeypatch.setattr(disk, "get_many", lambda ks: calls.append(list(ks)) or real(ks))
+    got = store.get_many(keys)
+    assert calls == [keys[0:2], keys[2:4], keys[4:]]
+    assert all(e.tier == "disk" and same(e, entry(seed=i)) for i, e in enumerate(got))
+    assert all(store.tiers[1].contains(k) for k in keys)  # the host tier filled on the way
+    t = torch.ones(3)
+    assert to_device(t, torch.device("cpu")) is t and to_device(t, torch.device("cpu"), copy=True) is not t
+
+
 # -- CUDA: pinned buffers and the GPU tier (the CPU runs the same calls: pin is ignored without CUDA) ---
 @pytest.mark.parametrize("device", DEVICES)
 def test_pinned_disk_reads_and_host_tier(tmp_path, device):
@@ -419,7 +476,7 @@ def test_pinned_disk_reads_and_host_tier(tmp_path, device):
     disk.put(k, entry())
     got = disk.get(k)
     pinned = device == "cuda"
-    assert disk.buffers.pin == pinned and disk.read == ("copy" if pinned else "map")
+    assert disk.buffers.pin == pinned and disk.read == "copy"  # copy reads into the caller's buffers, on every device
     assert got.keys.is_pinned() == pinned and got.values.is_pinned() == pinned and same(got, entry())
     host = HostStore(pin=True)
     host.put(k, entry())
@@ -445,17 +502,70 @@ def test_cuda_default_stack_serves_from_the_gpu(tmp_path, device):
     assert store.get(k).tier == store.names[0]
 
 
+@cuda
+def test_cuda_default_stack_serves_cold_chunks_from_pinned_reads_and_fills_the_host_tier(tmp_path):
+    """A cold get of bf16 KV (the GPU default): read into pinned staging buffers, kept as they are by
+    the host tier (keys and values still views of one read buffer: no copy), uploaded on the side
+    stream in groups (tiered.READ_GROUP) with the current stream ordered after the copies, so work
+    queued next sees every byte without a host sync."""
+    from kvrag.cache_backends.tiered import READ_GROUP
+
+    store = open_store(None, tmp_path, device="cuda")
+    keys = [content_key("c", str(i)) for i in range(READ_GROUP + 3)]  # more than one group
+    want = [entry(seed=i, tokens=64, dtype=torch.bfloat16) for i in range(len(keys))]
+    for k, e in zip(keys, want):
+        store.put(k, e)
+    for t in store.tiers[:2]:
+        t.clear()
+    got = store.get_many(keys)
+    sums = [e.keys.float().sum() + e.values.float().sum() for e in got]  # queued right after the copies
+    for k, e, w, total in zip(keys, got, want, sums):
+        assert e.tier == "disk" and e.keys.is_cuda and torch.equal(e.keys.cpu(), w.keys) and torch.equal(e.values.cpu(), w.values)
+        assert torch.allclose(total.cpu(), w.keys.float().sum() + w.values.float().sum())
+        host = store.tiers[1].get(k)
+        assert host is not None and host.keys.is_pinned()
+        assert host.keys.untyped_storage().data_ptr() == host.values.untyped_storage().data_ptr()  # the read's own buffer
+        ids = store.tiers[0].get(k).token_ids  # the GPU tier's own copy: no view keeps the read buffer alive
+        assert ids.untyped_storage().data_ptr() != host.keys.untyped_storage().data_ptr()
+    assert all(e.tier == "gpu" for e in store.get_many(keys))
+
+
 # -- the bench ---------------------------------------------------------------------------------------
 def test_tier_bandwidth_reports_every_tier_beside_the_plain_read(tmp_path):
-    from kvrag.eval.store_bench import random_entries, tier_bandwidth, tiers_markdown
+    """The tier table's JSON carries the disk tier's get into the caller's memory against a plain
+    readinto of the same files, as a ratio, and the rows it is made of (no speed is asserted)."""
+    from kvrag.eval.store_bench import random_entries, tier_bandwidth, write_tiers
 
     t = tier_bandwidth(tmp_path, random_entries(3, shape=(2, 1, 16, 8)), rounds=2)
     paths = [r["path"] for r in t["rows"]]
     assert "plain file read" in paths and any(p.startswith("disk get_many") for p in paths)
     assert "plain file read, a buffer per file" in paths and t["disk_threads"] >= 1
     assert "memory get_many" in paths and "host get_many" in paths
-    assert all(r["gb_s"] > 0 for r in t["rows"])
-    assert "| plain file read |" in tiers_markdown(t)
+    assert any(p.startswith("default stack, cold: disk -> host") for p in paths)
+    assert all(r["gb_s"] > 0 for r in t["rows"]) and t["disk_default_read"] == "copy"
+    md = write_tiers(tmp_path / "out", t)
+    saved = json.loads((tmp_path / "out" / "tiers.json").read_text())
+    d = saved["disk_vs_plain_read"]
+    by = {r["path"]: r["gb_s"] for r in saved["rows"]}
+    assert d["disk"] in by and d["disk"].endswith("(default)") and d["plain"] == "plain file read" and d["stack"] in by
+    assert d["ratio"] == pytest.approx(by[d["disk"]] / by["plain file read"])
+    assert d["ratio_vs_a_buffer_per_file"] == pytest.approx(by[d["disk"]] / by["plain file read, a buffer per file"])
+    assert d["stack_ratio"] == pytest.approx(by[d["stack"]] / by["plain file read"])
+    assert {"entries", "entry_mb", "rounds", "cpus", "load_avg", "pinned"} <= set(saved)
+    assert "| plain file read |" in md and f"plain readinto of the same files: {d['ratio']:.2f}" in md
+
+
+def test_the_bench_store_command_writes_the_tier_table(tmp_path, monkeypatch):
+    from kvrag.cli.app import main
+    from kvrag.eval import store_bench
+
+    small = store_bench.random_entries(2, shape=(2, 1, 8, 8))
+    monkeypatch.setattr(store_bench, "random_entries", lambda *a, **k: small)
+    real = store_bench.tier_bandwidth
+    monkeypatch.setattr("kvrag.cli.bench_run.tier_bandwidth", lambda out: real(out, rounds=1))
+    assert main(["bench", "store", "--tiers-only", "--out", str(tmp_path)]) == 0
+    assert "ratio" in json.loads((tmp_path / "tiers.json").read_text())["disk_vs_plain_read"]
+    assert (tmp_path / "tiers.md").is_file()
 
 
 @pytest.mark.parametrize("read", ["map", "copy"])

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "store: each store tier's read bandwidth beside plain file reads and host-to-device copies; "
                        "chat: two-turn conversations, turn two with and without the exact prefix cache against Full Attention")
     bench.add_argument("--redis", default=None, help="bench store: also measure this Redis URL")
+    bench.add_argument("--tiers-only", action="store_true",
+                       help="bench store: only the tier read table, no model (OUT/tiers.md, OUT/tiers.json with the disk ÷ plain read ratio)")
     bench.add_argument("--data", default=None, help="JSONL shaped like shared/data/*.jsonl (default with --quick: the bundled sample)")
     bench.add_argument("--n", type=int, default=100, help="examples (seeded sample)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the sample of examples")
@@ -41,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--repeats", type=int, default=3, help="speed sweep: repeats per point (medians)")
     bench.add_argument("--layerwise", choices=LAYERWISE_CHOICES, default="auto",
                        help="speed sweep: layer-wise KV loading behind compute; auto: on for CUDA; both: every cached setting with and without")
+    bench.add_argument("--tiers", default="auto",
+                       help="speed sweep: time each cached setting with its KV from these store tiers: hot (GPU / memory), warm "
+                       "(pinned host / host), cold (disk, warm page cache), device (disk, cached pages dropped); auto (default): "
+                       "all four on the CUDA default stack's shape under OUT/kv, none when --store is given; none: as it comes")
     bench.add_argument("--decode-tokens", type=int, default=0, help="speed sweep: also decode this many tokens after each setting's prefill and report tokens/s")
     bench.add_argument("--shape", default=None, help="speed mode: a model shape from kvrag/shapes (llama-3.2-1b, llama-3.1-8b, qwen2.5-7b)")
     bench.add_argument("--random-weights", action="store_true", help="speed mode with --shape: build the shape with random weights")
@@ -82,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sb = sub.add_parser("bench-store", help="store latency/throughput and the load share of TTFT")
     sb.add_argument("--out", required=True, help="output folder: store.json, store.md and the plot")
     sb.add_argument("--redis", default=None, help="also measure this Redis URL (e.g. redis://127.0.0.1:6379/0)")
+    sb.add_argument("--tiers-only", action="store_true", help="only the tier read table, no model (OUT/tiers.md, OUT/tiers.json)")
     sb.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help=MODEL_HELP)
     dc = sub.add_parser("bench-decode", help="single-stream decode tokens/s: the engine, stock generate, the weights-read bound")
     dc.add_argument("--out", required=True, help="folder for decode.json and decode.md")

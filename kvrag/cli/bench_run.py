@@ -18,9 +18,10 @@ from kvrag.eval.data import load_examples, sample_examples
 from kvrag.eval.deviation import deviation_study
 from kvrag.eval.report import load_records, markdown_table, merge_records, summarize, write_report
 from kvrag.eval.runner import Setting, hardware, make_settings, parse_method, run, split_methods
-from kvrag.eval.store_bench import run_store_bench, store_markdown
+from kvrag.eval.store_bench import run_store_bench, store_markdown, tier_bandwidth, write_tiers
 from kvrag.eval.speed import RANDOM_WEIGHTS_NOTE, SweepOptions, parse_sizes, random_model, speed_markdown, speed_sweep, write_speed
-from kvrag.model.loading import load_tokenizer
+from kvrag.eval.speed_tiers import parse_tiers, plan_tiers, tier_stack_url
+from kvrag.model.loading import load_tokenizer, resolve_device
 
 QUICK = {"n": 4, "ratios": "0.15,0.3", "max_new_tokens": 8, "contexts": "256,512,1k", "chunk_tokens": 128, "repeats": 1}
 
@@ -43,8 +44,7 @@ def _bench_defaults(args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.mode == "store":  # each tier's read bandwidth beside plain file reads and host-to-device copies
-        print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
-        return 0
+        return cmd_bench_store(args)
     if args.mode == "chat":
         return _bench_chat(args)
     _bench_defaults(args)
@@ -148,14 +148,18 @@ def _named_adapters(specs: list[str]) -> dict[str, Path]:
     return out
 
 
-def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float, meta: dict, store: str, random_weights: bool = False) -> None:
+def _speed_sweep(args: argparse.Namespace, rag, methods: list[str], ratio: float, meta: dict, store: str, random_weights: bool = False,
+                 tiers: tuple[str, ...] = ()) -> None:
     parsed = [parse_method(m) for m in methods]
-    settings = [Setting("full"), Setting("reuse")] + [Setting(m, ratio, params=p) for m, p in parsed if m not in ("full", "reuse")]
-    opts = SweepOptions(chunk_tokens=args.chunk_tokens, repeats=args.repeats, decode_tokens=args.decode_tokens, layerwise=args.layerwise)
+    reuse = next((p for m, p in parsed if m == "reuse"), ())  # e.g. reuse:short_context=0 (a short prompt is read whole otherwise)
+    settings = [Setting("full"), Setting("reuse", params=reuse)] + [Setting(m, ratio, params=p) for m, p in parsed if m not in ("full", "reuse")]
+    opts = SweepOptions(chunk_tokens=args.chunk_tokens, repeats=args.repeats, decode_tokens=args.decode_tokens, layerwise=args.layerwise,
+                        tiers=tiers)
     rows = speed_sweep(rag, parse_sizes(args.contexts), settings, opts)
+    plan = plan_tiers(rag.store, tiers)
     meta = {**meta, "model": rag.lm.source, "device": str(rag.lm.device), "dtype": str(rag.lm.dtype).replace("torch.", ""),
             "chunk_tokens": args.chunk_tokens, "repeats": args.repeats, "store": store, "random_weights": random_weights,
-            "layerwise": args.layerwise, "decode_tokens": args.decode_tokens}
+            "layerwise": args.layerwise, "decode_tokens": args.decode_tokens, "tiers": plan.names, "tier_notes": plan.notes}
     write_speed(rows, args.out, meta)
     print(speed_markdown(rows))
 
@@ -165,13 +169,19 @@ def _bench_speed(args: argparse.Namespace, methods: list[str], ratio: float, sto
         raise KVRagError("--shape builds a model with random weights (nothing is downloaded): add --random-weights")
     if args.random_weights and not args.shape:
         raise KVRagError("--random-weights needs --shape NAME (see kvrag/shapes/)")
+    try:
+        tiers = parse_tiers(args.tiers, store_given=bool(args.store))
+    except ValueError as exc:
+        raise KVRagError(f"--tiers: {exc}") from None
+    if tiers and not args.store:  # the CUDA default stack's shape over the run's own folder (removed with it)
+        store = tier_stack_url(Path(args.out) / "kv", resolve_device(args.device))
     if args.shape:
         tokenizer = load_tokenizer(args.model)  # any tokenizer will do for timing; ids fit every shape's vocab
         rag = KVRag(random_model(args.shape, tokenizer, device=args.device, dtype=args.dtype), store=store)
         print(f"{args.shape}: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
     else:
         rag = KVRag.from_pretrained(args.model, store=store, device=args.device, dtype=args.dtype, link_adapter=BASE_WEIGHTS)
-    _speed_sweep(args, rag, methods, ratio, meta, store, random_weights=bool(args.shape))
+    _speed_sweep(args, rag, methods, ratio, meta, store, random_weights=bool(args.shape), tiers=tiers)
     drop_default_store(args, Path(args.out))
     print(f"results in {args.out}/ (speed.md, speed.json, ttft_vs_context.png)", file=sys.stderr)
     return 0
@@ -280,5 +290,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
-    print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
+    if args.tiers_only:
+        print(write_tiers(args.out, tier_bandwidth(args.out)))
+    else:
+        print(store_markdown(run_store_bench(args.out, redis_url=args.redis, model=args.model)))
     return 0

@@ -7,6 +7,8 @@ hub. Random-weight figures are for time and memory only, and every output says s
 
 Chunks are cut from the bundled sample corpus to a fixed token length; each setting's TTFT is paired
 with Full Attention's on the same context in the same repeat, and the ratio is the median of pairs.
+With `SweepOptions.tiers`, every cached setting is timed with its KV from each tier asked for (hot,
+warm, cold, cold from the device: kvrag.eval.speed_tiers); every row names the store it read from.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tqdm.auto import tqdm
 from kvrag.kv.prefix_cache import without_prefix_cache
 from kvrag.engine import KVRag
 from kvrag.eval.runner import Setting
+from kvrag.eval.speed_tiers import TIERS, TierPlan, arrange, kv_from, plan_tiers
 from kvrag.model.shapes import random_model, shape_config, shape_names  # noqa: F401 - the bench's names for them
 from kvrag.types import AnswerStats, Chunk
 
@@ -63,17 +66,22 @@ class SweepOptions:
     `layerwise`: "auto" leaves the engine's default (on for CUDA); "on"/"off" force it; "both" times
     every cached setting both ways, so the table shows what prefetching layers behind compute saves.
     `decode_tokens` > 0: after the timed prefills of each size, each setting answers once more and
-    decodes that many tokens (no stop rule), and its row gives the decode rate (tokens/s)."""
+    decodes that many tokens (no stop rule), and its row gives the decode rate (tokens/s).
+    `tiers`: time every cached setting with its KV from each of these store tiers (hot, warm, cold,
+    device: see kvrag.eval.speed_tiers; the engine's store must be a tiered one); empty: as it comes."""
 
     chunk_tokens: int = 400
     repeats: int = 3
     decode_tokens: int = 0
     layerwise: str = "auto"
     progress: bool = True
+    tiers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layerwise not in LAYERWISE_CHOICES:
             raise ValueError(f"layerwise must be one of {LAYERWISE_CHOICES}, got {self.layerwise!r}")
+        if any(t not in TIERS for t in self.tiers):
+            raise ValueError(f"tiers must be among {TIERS}, got {self.tiers!r}")
         if self.chunk_tokens < 1 or self.repeats < 1 or self.decode_tokens < 0:
             raise ValueError("chunk_tokens >= 1, repeats >= 1 and decode_tokens >= 0 are required")
 
@@ -83,16 +91,19 @@ class SweepOptions:
 
 @dataclass(frozen=True)
 class _Variant:
-    """A setting timed with one layer-wise choice (None: the engine's default)."""
+    """A setting timed with one layer-wise choice (None: the engine's default) and its KV from one
+    store tier (None: wherever the store has it)."""
 
     setting: Setting
     layerwise: bool | None = None
+    tier: str | None = None
 
     @property
     def name(self) -> str:
-        if self.layerwise is None:
-            return self.setting.name
-        return f"{self.setting.name} [{'layer-wise' if self.layerwise else 'whole'}]"
+        name = self.setting.name
+        if self.layerwise is not None:
+            name += f" [{'layer-wise' if self.layerwise else 'whole'}]"
+        return name if self.tier is None else f"{name}, {self.tier}"
 
 
 @dataclass
@@ -106,6 +117,8 @@ class _Timing:
     peak_gpu_mb: float | None
     layerwise: bool
     load_wait_s: float
+    served: dict[str, int]
+    full_reason: str
 
 
 @contextmanager
@@ -121,8 +134,9 @@ def _layerwise(rag: KVRag, choice: bool | None):
         repo.layerwise = before
 
 
-def _timed(rag: KVRag, chunks: Sequence[Chunk], v: _Variant) -> _Timing:
+def _timed(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, plan: TierPlan) -> _Timing:
     st = v.setting
+    arrange(rag.store, plan, v.tier)  # untimed: the tiers above the one asked for emptied
     cuda = rag.lm.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -141,6 +155,8 @@ def _timed(rag: KVRag, chunks: Sequence[Chunk], v: _Variant) -> _Timing:
         peak_gpu_mb=torch.cuda.max_memory_allocated() / 1e6 if cuda else None,
         layerwise=s.layerwise,
         load_wait_s=s.load_wait_s,
+        served=dict(s.tiers),
+        full_reason=s.full_reason,
     )
 
 
@@ -154,13 +170,15 @@ def _decode_stats(rag: KVRag, chunks: Sequence[Chunk], v: _Variant, tokens: int)
     return ans.stats
 
 
-def _variants(settings: Sequence[Setting], opts: SweepOptions) -> list[_Variant]:
+def _variants(settings: Sequence[Setting], opts: SweepOptions, tiers: Sequence[str] = ()) -> list[_Variant]:
     if not any(st.method == "full" for st in settings):
         settings = [Setting("full"), *settings]
     out = []
     for st in settings:
-        modes = [None] if st.method == "full" else opts.modes()  # Full Attention loads nothing
-        out += [_Variant(st, m) for m in modes]
+        if st.method == "full":  # Full Attention loads nothing
+            out.append(_Variant(st))
+            continue
+        out += [_Variant(st, m, t) for m in opts.modes() for t in (tiers or [None])]
     return out
 
 
@@ -179,7 +197,10 @@ def speed_sweep(
     for c in contexts:
         if c > limit:
             print(f"note: context {c} skipped: the model's context is {rag.lm.max_context} tokens")
-    variants = _variants(settings, opts)
+    plan = plan_tiers(rag.store, opts.tiers)
+    for note in plan.notes:
+        print(f"note: {note}")
+    variants = _variants(settings, opts, [t for t in opts.tiers if t in plan.levels])
     rows: list[dict[str, Any]] = []
     steps = len(sizes) * len(variants) * (opts.repeats + (1 if opts.decode_tokens else 0))
     bar = tqdm(total=steps, desc="speed", unit="prefill", disable=not opts.progress)
@@ -190,7 +211,7 @@ def speed_sweep(
         runs: dict[str, list[_Timing]] = {v.name: [] for v in variants}
         for _ in range(opts.repeats):
             for v in variants:
-                runs[v.name].append(_timed(rag, chunks, v))
+                runs[v.name].append(_timed(rag, chunks, v, plan))
                 bar.update(1)
         full = runs["full"]
         for v in variants:
@@ -210,7 +231,12 @@ def speed_sweep(
                 "layerwise": ts[0].layerwise,
                 "load_wait_s": statistics.median(t.load_wait_s for t in ts),
                 "repeats": opts.repeats,
+                "tier": v.tier,
+                "store": plan.names.get(v.tier) if v.tier else None,
+                "served": ts[-1].served,  # the tiers that served the last repeat's chunks
+                "full_reason": ts[-1].full_reason,  # a reuse setting that read the whole prompt instead, and why
             }
+            row["kv_from"] = kv_from(row)
             for part in ts[0].parts:
                 row[part] = statistics.median(t.parts[part] for t in ts)
             if opts.decode_tokens:
@@ -231,8 +257,8 @@ def load_share(row: dict[str, Any]) -> float:
 
 def speed_markdown(rows: Sequence[dict[str, Any]]) -> str:
     head = (
-        "| context tokens | setting | TTFT ms | Full ÷ setting | load ms | stitch ms | select ms | recompute + question ms | "
-        "load share | KV MB | peak GPU MB | decode tok/s (set-up ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| context tokens | setting | KV from | TTFT ms | Full ÷ setting | load ms | stitch ms | select ms | recompute + question ms | "
+        "load share | KV MB | peak GPU MB | decode tok/s (set-up ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -241,11 +267,22 @@ def speed_markdown(rows: Sequence[dict[str, Any]]) -> str:
         if r.get("decode_tok_s") and r.get("decode_setup_s") is not None:
             dec += f" ({r['decode_setup_s'] * 1000:.0f})"
         lines.append(
-            f"| {r['context_tokens']} | {r['setting']} | {r['ttft_s'] * 1000:.0f} | {r['full_ratio']:.1f}× | {r['load_s'] * 1000:.0f} | "
+            f"| {r['context_tokens']} | {r['setting']} | {r.get('kv_from') or kv_from(r)} | {r['ttft_s'] * 1000:.0f} | {r['full_ratio']:.1f}× | {r['load_s'] * 1000:.0f} | "
             f"{r['stitch_s'] * 1000:.0f} | {r['select_s'] * 1000:.0f} | {r['recompute_s'] * 1000:.0f} | {load_share(r):.0%} | "
             f"{r['kv_mb']:.1f} | {gpu} | {dec} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _tiers_note(meta: dict[str, Any]) -> str:
+    """What the per-tier rows mean, for the report's head (empty without them)."""
+    if not meta.get("tiers"):
+        return ""
+    names = ", ".join(f"{t}: {s}" for t, s in meta["tiers"].items())
+    text = (f"\nKV per tier ({names}): before each timed prefill the tiers above the one named are emptied, so every "
+            "chunk comes from it; cold reads the disk with a warm page cache, device after dropping the files' cached pages. "
+            "\"KV from\" names the store each row read from (and what served it, where an upper tier was too small).\n")
+    return text + "".join(f"\nnote: {n}\n" for n in meta.get("tier_notes", []))
 
 
 def write_speed(rows: Sequence[dict[str, Any]], out_dir: str | Path, meta: dict[str, Any]) -> Path:
@@ -263,7 +300,7 @@ def write_speed(rows: Sequence[dict[str, Any]], out_dir: str | Path, meta: dict[
     md.write_text(
         f"# kvrag bench speed\n\n`{meta.get('command', '')}`\n\nhardware: {hardware_line(meta.get('hardware', {}))}\n\n"
         f"model: {meta.get('model')}, dtype {meta.get('dtype')}, chunks of ~{meta.get('chunk_tokens')} tokens, "
-        f"store {meta.get('store')}, {meta.get('repeats')} repeats (medians)\n{note}\n"
+        f"store {meta.get('store')}, {meta.get('repeats')} repeats (medians)\n{note}{_tiers_note(meta)}\n"
         + speed_markdown(rows)
         + (f"\n![TTFT vs context length]({plot.name})\n" if plot else "")
     )

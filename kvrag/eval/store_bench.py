@@ -2,23 +2,28 @@
 the load share of TTFT.
 
 Tier figures (`tier_bandwidth`) use random entries of SmolLM2-135M's shape (30 layers x 3 KV heads
-x 150 tokens x 64 dims, fp32 keys and values: 6.9 MB an entry, 10 entries), so they need no model:
-memory, host and disk (warm page cache, the steady state of a serving store) `get_many` -- the disk
-tier mapping its files (the default off CUDA: one checksum pass over the page cache, see
-cache_backends/disk_map.py) and copying them (the default into pinned buffers on CUDA: each entry
-read into its own buffer by the default reader threads, the CPU count at most 4, and by one, every
-piece hashed as it lands, see cache_backends/disk_read.py) -- next to
-a plain read of the same files into one reused buffer (the machine's read speed, single thread, no
-check; the `x plain read` column divides by it), the same read into a buffer per file (what any
-reader that hands back each entry in memory of its own pays before any check), the one-buffer
-read plus an xxh3 of each file (the serial floor of a verified read), and on
-CUDA the host-to-device copy of the same bytes from pinned and from pageable memory. The rounds of
-each are interleaved and medians reported; a busy machine still slows the multi-threaded disk read
-more than the single-threaded plain one, so compare them on an idle CPU.
+x 150 tokens x 64 dims, fp32 keys and values: 6.9 MB an entry, 10 entries), so they need no model.
+Every disk figure counts bytes that landed in memory the caller owns, as a plain `readinto` does:
+- the disk tier's `get_many` (the default read: each entry read once into a staging buffer of the
+  caller's, pinned on CUDA, by the default reader threads -- the CPU count, at most 4 -- and by one,
+  every byte hashed as it lands; cache_backends/disk_read.py), its tensors viewing that buffer;
+- the CUDA default stack's shape (memory | host | disk: GPU | pinned host | disk on CUDA) serving
+  every entry cold from disk, its upper tiers emptied before each round: the read, the promotion
+  into the host tier (which keeps the read's buffer) and, on CUDA, the copy to the GPU, synchronised;
+- a plain `readinto` of the same files into one reused buffer (the machine's read speed, single
+  thread, no check; the `x plain read` column divides by it) and into a buffer per file (what any
+  reader that hands back each entry in memory of its own pays before any check), and the one-buffer
+  read plus an xxh3 of each file (the serial floor of a verified read).
+The mapped read (`read=map`) is shown beside them: its tensors view the page cache's pages, not memory
+of the caller's. Memory and host tiers hand back what they hold (a lookup), and on CUDA the
+host-to-device copy of the same bytes is timed from pinned and from pageable memory. The rounds of
+each are interleaved and medians reported; `disk_vs_plain_read` in the JSON holds the ratios. A busy
+machine slows the multi-threaded disk read more than the single-threaded plain one: compare them on
+an idle CPU, and in one run.
 
-    python -m kvrag.eval.store_bench OUT --tiers-only     # the tier table alone, no model
+    python -m kvrag.eval.store_bench OUT --tiers-only     # the tier table alone, no model (kvrag bench store --tiers-only)
 
-`run_store_bench` (the `kvrag bench-store` CLI) adds per-store latencies and the TTFT load share,
+`run_store_bench` (the `kvrag bench store` CLI) adds per-store latencies and the TTFT load share,
 which need the model; the engine is imported inside those functions only.
 """
 
@@ -34,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvrag.cache_backends import DiskStore, HostStore, KVEntry, KVStore, MemoryStore, content_key, open_store
+from kvrag.cache_backends import DiskStore, HostStore, KVEntry, KVStore, MemoryStore, TieredStore, content_key, open_store
 from kvrag.cache_backends.host import BufferPool
 
 SMOLLM2_SHAPE = (30, 3, 150, 64)  # layers, KV heads, tokens, head dim
@@ -114,6 +119,29 @@ def plain_read_hashed(paths: list[Path]) -> Callable[[], None]:
     return run
 
 
+PLAIN = "plain file read"
+PLAIN_PER_FILE = "plain file read, a buffer per file"
+
+
+def _disk_readers(root: Path, cuda: bool) -> tuple[str, dict[str, DiskStore]]:
+    """The disk tier's reads to time, by row name, and the default's row name."""
+    disk = DiskStore(root, max_bytes=None, pin=cuda)  # the default: copy into staging buffers (pinned on CUDA)
+    threads = disk.threads
+    default = f"disk get_many, {threads} thread{'s' * (threads > 1)} (default)"
+    readers = {default: disk}
+    if threads > 1:
+        readers["disk get_many, 1 thread"] = DiskStore(root, max_bytes=None, pin=cuda, threads=1)
+    readers["disk get_many, map (the page cache's pages, not the caller's memory)"] = DiskStore(root, max_bytes=None, read="map")
+    return default, readers
+
+
+def cold_stack(root: Path, cuda: bool) -> TieredStore:
+    """The CUDA default stack's shape over the bench's disk files: GPU | pinned host | disk on CUDA,
+    memory | host | disk on the CPU (own instances: its buffers never hold up the other rows')."""
+    top = MemoryStore(device="cuda") if cuda else MemoryStore()
+    return TieredStore([top, HostStore(pin=cuda), DiskStore(root, max_bytes=None, pin=cuda)], workers=1)
+
+
 def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = None, rounds: int = 20) -> dict[str, Any]:
     """GB/s of each tier's get_many of `entries` and of the machine's plain read of the disk files."""
     entries = entries or random_entries()
@@ -121,31 +149,32 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
     payload = sum(e.nbytes for e in entries.values())
     cuda = torch.cuda.is_available()
     root = Path(out_dir) / "tier-disk"
-    disk = DiskStore(root, max_bytes=None, pin=cuda)  # the default: mapped on the CPU, copied into pinned buffers on CUDA
-    threads = disk.threads
-    readers = {
-        "map": DiskStore(root, max_bytes=None, pin=cuda, read="map"),
-        f"copy, {threads} thread{'s' * (threads > 1)}": DiskStore(root, max_bytes=None, pin=cuda, read="copy"),
-    }
-    if threads > 1:
-        readers["copy, 1 thread"] = DiskStore(root, max_bytes=None, pin=cuda, read="copy", threads=1)
+    default, readers = _disk_readers(root, cuda)
+    disk = readers[default]
+    stack = cold_stack(root, cuda)
     host, memory = HostStore(pin=cuda), MemoryStore()
     for key, entry in entries.items():
         for store in (disk, host, memory):
             store.put(key, entry)
     paths = [disk._path(k) for k in keys]
     file_bytes = sum(p.stat().st_size for p in paths)
+
+    def cold() -> None:
+        for tier in stack.tiers[:-1]:
+            tier.clear()  # type: ignore[attr-defined]
+        got = stack.get_many(keys)
+        if cuda:
+            torch.cuda.synchronize()
+        assert all(e is not None and e.tier == "disk" for e in got)
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     fns: dict[str, Callable[[], Any]] = {
         "memory get_many": lambda: memory.get_many(keys),
         "host get_many": lambda: host.get_many(keys),
-        **{
-            f"disk get_many, {how}" + (" (default)" if (store.read, store.threads) == (disk.read, threads) else ""): (
-                lambda store=store: store.get_many(keys)
-            )
-            for how, store in readers.items()
-        },
-        "plain file read": plain_read(paths),
-        "plain file read, a buffer per file": plain_read_per_file(paths),
+        **{name: (lambda store=store: store.get_many(keys)) for name, store in readers.items()},
+        "default stack, cold: disk -> host -> " + ("gpu" if cuda else "memory"): cold,
+        PLAIN: plain_read(paths),
+        PLAIN_PER_FILE: plain_read_per_file(paths),
         "plain file read + xxh3": plain_read_hashed(paths),
     }
     if cuda:
@@ -165,37 +194,67 @@ def tier_bandwidth(out_dir: str | Path, entries: dict[str, KVEntry] | None = Non
     secs = _interleaved(fns, rounds)
     rows = []
     for name, s in secs.items():
-        nbytes = file_bytes if name.startswith(("disk", "plain")) else payload
+        nbytes = file_bytes if name.startswith(("disk", "plain", "default stack")) else payload
         rows.append({"path": name, "ms": 1000 * s, "gb_s": nbytes / s / 1e9})
-    plain = next(r["gb_s"] for r in rows if r["path"] == "plain file read")
+    by = {r["path"]: r["gb_s"] for r in rows}
     for r in rows:
-        r["vs_plain_read"] = r["gb_s"] / plain
-    for store in (disk, *readers.values()):
+        r["vs_plain_read"] = r["gb_s"] / by[PLAIN]
+    for store in (*readers.values(), stack):
         store.close()
+    stack_row = next(r["path"] for r in rows if r["path"].startswith("default stack"))
     return {
         "entries": len(keys),
         "entry_shape": list(next(iter(entries.values())).keys.shape),
         "entry_mb": file_bytes / len(keys) / 1e6,
+        "rounds": rounds,
         "cpus": os.cpu_count(),
-        "disk_threads": threads,
+        "disk_threads": disk.threads,
         "disk_default_read": disk.read,
-        "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "pinned": disk.buffers.pin,
+        "load_avg": load,
+        "load_avg_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "cuda": torch.cuda.get_device_name(0) if cuda else None,
         "rows": rows,
+        "disk_vs_plain_read": {
+            "disk": default,
+            "plain": PLAIN,
+            "ratio": by[default] / by[PLAIN],
+            "ratio_vs_a_buffer_per_file": by[default] / by[PLAIN_PER_FILE],
+            "stack": stack_row,
+            "stack_ratio": by[stack_row] / by[PLAIN],
+            "note": "bytes landed in memory the caller owns (every byte read and hashed) against a plain readinto of the same "
+            "files, one thread, no check; medians of interleaved rounds of one run",
+        },
     }
 
 
 def tiers_markdown(t: dict[str, Any]) -> str:
+    load = f"load average {t['load_avg']:.1f}" if t.get("load_avg") is not None else "load average unknown"
     lines = [
         f"tier read bandwidth: {t['entries']} entries of {t['entry_shape']} fp32 K+V ({t['entry_mb']:.1f} MB each), "
-        f"{t['cpus']} CPUs, load average {t['load_avg']:.1f}" + (f", {t['cuda']}" if t.get("cuda") else "") + "; disk with a warm page cache",
+        f"{t['cpus']} CPUs, {load}" + (f", {t['cuda']}" if t.get("cuda") else "") + "; disk with a warm page cache",
         "",
         "| path | ms | GB/s | x plain read |",
         "|---|---|---|---|",
     ]
     lines += [f"| {r['path']} | {r['ms']:.1f} | {r['gb_s']:.2f} | {r['vs_plain_read']:.2f} |" for r in t["rows"]]
+    d = t.get("disk_vs_plain_read")
+    if d:
+        lines += ["", f"**disk tier's get into memory the caller owns ÷ plain readinto of the same files: {d['ratio']:.2f}** "
+                  f"({d['ratio_vs_a_buffer_per_file']:.2f} against a buffer per file; the default stack serving them cold: "
+                  f"{d['stack_ratio']:.2f}); {t.get('rounds', '?')} interleaved rounds, medians"]
     lines += ["", "memory and host tiers hand back the tensors they hold (no copy): their figure is lookup cost per byte."]
     return "\n".join(lines) + "\n"
+
+
+def write_tiers(out_dir: str | Path, t: dict[str, Any]) -> str:
+    """tiers.json and tiers.md in `out_dir`; returns the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md = tiers_markdown(t)
+    (out / "tiers.json").write_text(json.dumps(t, indent=2))
+    (out / "tiers.md").write_text(md)
+    return md
 
 
 def time_store(store: KVStore, entries: dict[str, Any], rounds: int = 20) -> dict[str, Any]:
@@ -322,10 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args(argv)
     if args.tiers_only:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        t = tier_bandwidth(args.out, rounds=args.rounds)
-        (Path(args.out) / "tiers.json").write_text(json.dumps(t, indent=2))
-        print(tiers_markdown(t))
+        print(write_tiers(args.out, tier_bandwidth(args.out, rounds=args.rounds)))
     else:
         print(store_markdown(run_store_bench(args.out)))
 
