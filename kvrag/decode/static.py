@@ -138,6 +138,7 @@ class StaticDecoder:
                 self._batcher = None
             else:
                 self.capacity = self.start + steps
+        self.seated = self._seat is not None  # decodes in a row of the model's slot pool, batched with the others
         # the single-sequence step over its own buffers (not made for a seated sequence)
         self.step = StaticStep(lm.model, self.buffers, lm.dtype, lm.device) if self._seat is None else None
         self.draft_tokens = draft_tokens if self._seat is not None and not self.graph else 0
@@ -152,11 +153,6 @@ class StaticDecoder:
         # warm-up and capture when a step needs one (synchronised, so it includes the device's copies);
         # `AnswerStats.decode_setup_s`
         self.setup_s = time.perf_counter() - t
-
-    @property
-    def seated(self) -> bool:
-        """Whether this sequence decodes in a row of the model's slot pool (batched with the others)."""
-        return self._seat is not None
 
     @property
     def weights(self) -> str:
