@@ -19,7 +19,7 @@ from kvrag.decode.attend import attend_rows, key_splits
 from kvrag.decode.batch import Call, batcher_for
 from kvrag.decode.graphs import PooledStep
 from kvrag.decode.lean import lean_step
-from kvrag.decode.pool import row_bucket, span_bucket
+from kvrag.decode.pool import SlotPool, row_bucket, span_bucket
 from kvrag.decode.static import StaticDecoder
 from kvrag.decode.stream import DecodeConfig, DecodeState, eos_ids, stream_tokens
 from kvrag.model.cache import cache_kv, cache_len
@@ -120,8 +120,37 @@ def test_buckets():
     assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
     assert [span_bucket(n) for n in (1, 256, 257, 1024, 1025, 1300, 2049, 8583, 16724, 33391)] == [
         256, 256, 512, 1024, 1280, 1536, 2560, 10240, 20480, 40960]
-    assert all(span_bucket(n) % 256 == 0 and n <= span_bucket(n) <= max(256, 1.25 * n) for n in range(1, 40000, 97))
+    assert all(span_bucket(n) % 256 == 0 and n <= span_bucket(n) <= max(n + 255, 1.25 * n) for n in range(1, 40000, 97))
     assert key_splits(8, 8, 8192, torch.device("cpu")) == 1
+
+
+def test_rows_move_down_when_a_sequence_leaves_and_its_answer_goes_back():
+    """The pool's bookkeeping on plain tensors: a context copied into its row, rows kept 0..n-1 (the last
+    moves into a freed row, K/V and all), an answer's slots copied back, the reserved rows made at once,
+    a step's inputs (idle rows write the scratch slot), and growth that bumps the generation."""
+    pool = SlotPool(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", min_rows=3)
+
+    def kv(fill, n):
+        return [(torch.full((1, 2, n + 8, 4), fill + layer), torch.full((1, 2, n + 8, 4), -fill - layer)) for layer in range(2)]
+
+    a, b, c = (pool.seat(kv(f, n), n, n + 8) for f, n in ((1.0, 5), (10.0, 7), (20.0, 3)))
+    assert (pool.rows, pool.capacity, pool.generation) == (4, 256, 1) and [s.row for s in (a, b, c)] == [0, 1, 2]
+    assert pool.k[1][1, :, :7].eq(11.0).all() and pool.k[1][1, :, 7:].eq(0).all()
+    rows, span = pool.set_inputs([(a, 7, 40, 5), (c, 9, 30, 3)])  # b idles
+    assert (rows, span) == (4, 256) and pool.inputs.tolist() == [[7, 40, 5], [0, 0, 255], [9, 30, 3], [0, 0, 255]]
+    pool.k[0][2, :, 3] = 99.0  # c's answer slot, as a step writes it
+    out = kv(0.0, 3)
+    pool.release(a)
+    assert pool.seats == [c, b] and (c.row, b.row) == (0, 1)
+    assert pool.k[0][0, :, 3].eq(99.0).all() and pool.k[0][0, :, :3].eq(20.0).all()  # c moved into row 0 whole
+    pool.release(c, out)
+    assert out[0][0][0, :, 3].eq(99.0).all() and out[0][0][0, :, :3].eq(0.0).all()  # only its answer's slots came back
+    assert pool.seats == [b] and b.row == 0 and pool.k[1][0, :, :7].eq(11.0).all()  # b moved down
+    with pytest.raises(RuntimeError, match="outside"):
+        pool.set_inputs([(b, 1, 1, 2)])  # inside its context: never written by a step
+    pool.seat(kv(5.0, 300), 300, 310)  # longer than the capacity: reallocated, b's rows kept
+    assert (pool.capacity, pool.generation) == (512, 2) and pool.k[1][0, :, :7].eq(11.0).all()
+    assert not pool.clear() and not pool.fits(kv(1.0, 3), 0)
 
 
 def test_batched_greedy_answers_are_the_lone_answers_as_sequences_join_leave_and_idle(rag):

@@ -87,6 +87,11 @@ class Batcher:
         self.stats = BatchStats()
         self._pooled: PooledStep | None = None  # the slot pool and its step, made at the first seat
         self._pool_lock = threading.Lock()  # the pool's rows and buffers (taken inside the model lock)
+        self._min_rows = 1
+
+    def reserve(self, rows: int) -> None:
+        """Make room for this many sequences at once when the pool is made (kvrag.decode.pool: `min_rows`)."""
+        self._min_rows = max(1, rows)
 
     @property
     def pooled(self) -> PooledStep | None:
@@ -100,7 +105,8 @@ class Batcher:
         k = kv[0][0]
         with self.lm.lock, self._pool_lock:
             if self._pooled is None:
-                pool = SlotPool(len(kv), k.shape[1], k.shape[-1], k.dtype, k.device, max_rows=self.max_batch)
+                pool = SlotPool(len(kv), k.shape[1], k.shape[-1], k.dtype, k.device, max_rows=self.max_batch,
+                                min_rows=self._min_rows)
                 self._pooled = PooledStep(self._step, pool)
             seat = self._pooled.seat(kv, start, limit)
         if seat is not None:
@@ -230,6 +236,16 @@ def decode_batch_stats(model: Any) -> BatchStats:
     with _LOCK:
         b = _BATCHERS.get(step) if step is not None else None
     return b.stats if b is not None else BatchStats()
+
+
+def reserve_decode_rows(lm: Any, rows: int) -> None:
+    """Let `rows` sequences of `lm` decode together from the start without growing the slot pool (a
+    server passes its concurrency): on a GPU each growth drops the captured graphs."""
+    from kvrag.decode.lean import lean_step
+
+    step = lean_step(lm.model)
+    if step is not None:
+        batcher_for(lm, step).reserve(rows)
 
 
 def batcher_for(lm: Any, step: LeanStep) -> Batcher:

@@ -66,10 +66,13 @@ class SlotPool:
     """Per-layer K/V buffers with one row per decoding sequence, and the step's persistent inputs."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_rows: int = ROW_BUCKETS[-1]) -> None:
+                 max_rows: int = ROW_BUCKETS[-1], min_rows: int = 1) -> None:
+        """`min_rows`: rows made at once (a server's concurrency), so the first sequences that decode
+        together do not reallocate the pool (and drop its graphs) as each one joins."""
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.max_rows = min(max_rows, ROW_BUCKETS[-1])
+        self.min_rows = row_bucket(max(1, min(min_rows, self.max_rows)))
         self.rows = self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -94,7 +97,7 @@ class SlotPool:
         `limit`: the context is copied in (the pool grows first if it must)."""
         rows, capacity = len(self.seats) + 1, span_bucket(limit + 1)  # + the scratch slot
         if rows > self.rows or capacity > self.capacity:
-            self._grow(max(self.rows, row_bucket(rows)), max(self.capacity, capacity))
+            self._grow(max(self.rows, row_bucket(rows), self.min_rows), max(self.capacity, capacity))
         seat = Seat(len(self.seats), start, limit, start)
         for (kbuf, vbuf), (k, v) in zip(zip(self.k, self.v), kv):
             kbuf[seat.row, :, :start].copy_(k[0, :, :start])
