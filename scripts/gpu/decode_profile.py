@@ -1,11 +1,13 @@
 """Where a decode step's time goes (issues #39, #60; run on a lent GPU by `device.sh first`): the answer
 loop's rate at two lengths, then torch.profiler over a short answer (CPU-side and, on CUDA,
-CUDA-side totals of the top ops); then the batched step (the slot pool's, kvrag.decode.graphs) at the
-same context: its time at 1-16 rows replayed from its CUDA graphs and run eagerly, and torch.profiler
-over one step of `--rows` rows, replayed and eager (the eager one lists the kernels a replay runs).
+CUDA-side totals of the top ops); then, with `--rows N`, the batched step (the slot pool's,
+kvrag.decode.graphs) at the same context a row: its time at `--sizes` rows replayed from its CUDA
+graphs and run eagerly, and torch.profiler over one step of N rows, replayed and eager (the eager one
+lists the kernels a replay runs).
 
     python decode_profile.py TOKENIZER                                   # the 8B bf16 shape at 8k, on CUDA
-    python decode_profile.py TOKENIZER --tokens '' --rows 8              # the batched step alone
+    python decode_profile.py TOKENIZER --tokens '' --profile-tokens 0 --rows 8
+                                                                         # the batched step alone, 8k a row
     python decode_profile.py --device cpu --chunks 2 --chunk-tokens 64 --tokens 4,8 --profile-tokens 4
                                                                          # the bundled model: device.sh's dry run
 
@@ -40,7 +42,7 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--tokens", default="64,256", help="answer lengths whose decode rate is printed")
     p.add_argument("--profile-tokens", type=int, default=32, help="0: no profile of an answer")
-    p.add_argument("--rows", type=int, default=8, help="rows of the profiled batched step (0: none)")
+    p.add_argument("--rows", type=int, default=0, help="rows of the profiled batched step (0: no batched step)")
     p.add_argument("--sizes", default="1,2,4,8,16", help="rows the batched step is timed at")
     args = p.parse_args()
     if args.shape == "none":
@@ -54,7 +56,8 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
         rag = KVRag(random_model(args.shape, tok, device=args.device, dtype=args.dtype), store="memory://", check=False)
     chunks = corpus_chunks(tok, args.chunks, args.chunk_tokens)
-    rag.precompute(chunks, progress=False)
+    if args.tokens or args.profile_tokens > 0:
+        rag.precompute(chunks, progress=False)
     for n in (int(x) for x in args.tokens.split(",") if x):
         sync(args.device)
         t = time.perf_counter()
