@@ -31,7 +31,10 @@ import torch
 
 KV = tuple[torch.Tensor, torch.Tensor]
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
-SPAN_UNIT = 256  # every span (and the capacity) is a multiple of this: key splits divide it (kvrag.decode.attend)
+# Every span (and the capacity) is a multiple of this: key splits divide it (kvrag.decode.attend), and
+# every row of a step's scores starts 512-byte aligned whatever the context's length (the single-sequence
+# step attended over its room's own length, odd at 16k on the H200: 16,725 slots, rows 2-byte aligned).
+SPAN_UNIT = 256
 
 
 def row_bucket(n: int) -> int:
