@@ -304,7 +304,7 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{cl['prefill_bound_x']:.1f}x the 1-client throughput."]
         if "decode_bound_8_x" in cl:
             sm = cl["step_ms"]
-            lines[-1] += (f" A decode step for 8 sequences (`LeanStep.many`, that context each) took {sm['8']:.1f} ms against "
+            lines[-1] += (f" A decode step for 8 sequences (the slot pool's step, kvrag.decode.graphs: replayed from a CUDA graph on a GPU; that context each) took {sm['8']:.1f} ms against "
                           f"{sm['1']:.1f} ms for one: 8 answers decode together at most {cl['decode_bound_8_x']:.1f}x one answer's "
                           "rate without drafts (a lone answer also feeds prompt-lookup drafts, kvrag.decode.draft).")
     d = result.get("decode")

@@ -93,18 +93,22 @@ def test_answer_through_the_pipeline_is_the_same_with_static_on(rag):
 
 
 def test_the_step_never_syncs_with_the_host_and_hides_only_the_unused_room(rag):
-    """A host sync inside the captured region would fail capture on a GPU (or bake a value in)."""
+    """The single-sequence step of a sequence outside the slot pool (StaticStep: a model without a lean
+    step, or a full pool). A host sync inside the captured region would fail capture on a GPU (or bake
+    a value in). The pooled step's own checks: tests/test_pooled_decode.py."""
+    from kvrag.decode.static import StaticStep, _room
+
     pre = rag.prefill(THREE_Q, THREE_IDS, method="samkv")
-    dec = StaticDecoder(rag.lm, pre.output.cache, steps=4)
-    start = dec.start
-    dec.step.set(65, pre.output.next_position, start)
+    start = cache_len(pre.output.cache)
+    step = StaticStep(rag.lm.model, [_room(layer, start + 4) for layer in pre.output.cache.layers], rag.lm.dtype, rag.lm.device)
+    step.set(65, pre.output.next_position, start)
     with count_syncs() as syncs:
-        dec.step.run()
+        step.run()
     assert syncs["n"] == 0
-    for kbuf, vbuf in dec.buffers:
+    for kbuf, vbuf in step.buffers:
         assert torch.isfinite(kbuf).all() and torch.isfinite(vbuf).all()  # the room is zeroed, never garbage
         assert kbuf[..., start, :].abs().sum() > 0 and kbuf[..., start + 1 :, :].abs().sum() == 0  # wrote slot `start` only
-    mask = torch.where(dec.step._slots <= dec.step.slot, 1, 0)
+    mask = torch.where(step._slots <= step.slot, 1, 0)
     assert mask[: start + 1].all() and not mask[start + 1 :].any()  # every held slot visible, the room hidden
 
 

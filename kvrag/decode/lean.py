@@ -5,15 +5,16 @@ weights (issue #39: 17 tok/s against a ~63 tok/s weights-read bound for the bund
 forward spends much of a step on what a fixed-shape step does not need: building the mask, the cache
 object's bookkeeping, output dataclasses, keyword plumbing through every layer. This step calls the
 same submodules in the same order as the decoder layers' own forwards (norms, projections, RoPE, the
-configured attention function, MLP), so its batched steps (`many`, the CPU's) are bit-identical to the
-stock forward; the one-sequence static step (`__call__`, the one a CUDA graph captures) attends over
-its whole buffer with `_attend_one` instead (grouped heads, two matrix products: SDPA's kernels are
-slow at one query row on a GPU), equal to the stock forward up to float rounding
-(tests/test_lean_decode.py checks every supported architecture). It is a plain function of tensors.
+configured attention function, MLP), so its multi-row steps (`many`, drafts on the CPU) are
+bit-identical to the stock forward; the fixed-shape steps (`rows`, over a slot pool: the one CUDA
+graphs capture, one per batch bucket; `__call__`, one sequence over its own buffer) attend with
+kvrag.decode.attend instead (grouped heads, no K/V repeated per head, keys split on a GPU), equal to
+the stock forward up to float rounding (tests/test_lean_decode.py checks every supported
+architecture). It is a plain function of tensors.
 
-One step serves one or many sequences: tokens and positions are [B, 1], the KV buffers
-[B, kv_heads, capacity, head_dim], `slot` [B] (where each sequence writes this step) and the mask
-[B, 1, 1, capacity] (each sequence sees its own written slots). B = 1 is the single-stream decode.
+`__call__`: tokens and positions are [B, 1], the KV buffers [B, kv_heads, capacity, head_dim], `slot`
+[B] (where each sequence writes this step) and the mask [B, 1, 1, capacity] (each sequence sees its
+own written slots). B = 1 is the single-stream decode of a sequence outside the pool.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvrag.decode.attend import attend_rows
 from kvrag.decode.int8 import Int8Layer, Int8Weights, check_decode_weights, int8_available
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,30 @@ class LeanStep:
 
         return self._forward(tokens, positions, attend)
 
+    @torch.no_grad()
+    def rows(self, tokens: torch.Tensor, positions: torch.Tensor, buffers: Sequence[KV], write: torch.Tensor,
+             slots: torch.Tensor, splits: int = 1) -> torch.Tensor:
+        """The fixed-shape step over a slot pool (kvrag.decode.pool), the region a CUDA graph captures:
+        row b feeds tokens[b] ([B, 1]) at positions[b], writes its K/V at slot write[b] of row b of
+        every layer's buffers ([>= B, kv_heads, capacity, d]) and attends over its own slots up to
+        write[b] among the first len(slots) (`slots` = 0..span-1). One bias for every layer hides the
+        rest; `splits`: blocks of keys for the product with V (kvrag.decode.attend). No host sync and no
+        shape that depends on a value: every step of the same (B, span) is the same kernels. Logits [B, vocab]."""
+        B, span = tokens.shape[0], slots.shape[0]
+        dtype = buffers[0][0].dtype
+        hidden = slots[None, :] > write[:, None]  # [B, span]: after the row's own slot
+        bias = torch.zeros((B, 1, 1, span), dtype=dtype, device=tokens.device).masked_fill_(
+            hidden[:, None, None, :], torch.finfo(dtype).min)
+        where = write[:, None, None, None]
+
+        def attend(i: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kbuf, vbuf = buffers[i][0][:B], buffers[i][1][:B]
+            kbuf.scatter_(2, where.expand(B, k.shape[1], 1, k.shape[-1]), k.to(dtype))
+            vbuf.scatter_(2, where.expand(B, v.shape[1], 1, v.shape[-1]), v.to(dtype))
+            return attend_rows(q, kbuf[:, :, :span], vbuf[:, :, :span], bias, attn.scaling, splits)
+
+        return self._forward(tokens, positions, attend)
+
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         """The decoder layers as their own forwards run them; `attend(layer index, attn, q, k, v)` writes
         the new K/V where the caller keeps them and returns the attention output [B, 1, heads, d]."""
@@ -159,18 +185,8 @@ class LeanStep:
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """One query row (q [1, heads, 1, d]) over a whole fixed-size buffer (k, v [1, kv_heads, S, d]) with an
-    additive `mask` [1, 1, 1, S], as transformers' eager attention computes it (scores in the model's
-    dtype, softmax in float32) but with the query heads that share a K/V head stacked along the query
-    axis, so the K/V are read once and never repeated per head. Why not SDPA: with a mask it repeats K/V
-    per head, and at one query row its fused kernels walk the keys in one block per head (on an H200,
-    cuDNN's took 174 us a layer at 8k for Llama-8B, 44% of a decode step: docs/bench/gpu-h200), while
-    two batched matrix products spread the keys over the whole GPU. Returns [1, 1, heads, d]."""
-    _, heads, _, d = q.shape
-    kv_heads = k.shape[1]
-    grouped = q.reshape(1, kv_heads, heads // kv_heads, d)  # query head h = kv head h // group, as repeat_kv pairs them
-    scores = torch.matmul(grouped, k.transpose(-1, -2)) * scaling + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(probs, v).reshape(1, heads, 1, d).transpose(1, 2)
+    additive `mask` [1, 1, 1, S]: kvrag.decode.attend.attend_rows for one sequence. Returns [1, 1, heads, d]."""
+    return attend_rows(q, k, v, mask, scaling)
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:

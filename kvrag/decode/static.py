@@ -2,8 +2,13 @@
 
 Why: on a GPU a small model's decode step costs mostly kernel launches (hundreds per token), and
 replaying a captured CUDA graph issues them all at once. A graph replays fixed shapes and fixed
-buffer addresses, so the step (`StaticStep.run`) never lets a per-token Python number into the
-model's inputs:
+buffer addresses, so a step never lets a per-token Python number into the model's inputs.
+
+`StaticDecoder` is the stepper `kvrag.decode.stream` calls, `(token, position) -> logits`. On a model
+with a lean step (kvrag.decode.lean: Llama, Mistral, Qwen2/3) it takes a row of the model's slot pool
+(kvrag.decode.pool) and steps together with every other sequence decoding now (kvrag.decode.batch),
+replaying one CUDA graph per batch bucket on CUDA (kvrag.decode.graphs). Otherwise, or when the pool
+is full, it steps alone with `StaticStep` over its own buffers:
 
 - the KV buffers are the prefilled cache's own (the room reserved after the context, grown once
   here if it is too small); each step writes its K/V at the `slot` tensor (index_copy_) and attends
@@ -14,11 +19,9 @@ model's inputs:
 - the RoPE position is the `position` tensor: the global next position, not the slot index.
 
 Sampling stays outside the step, on the returned logits with the caller's generator, so a graphed
-decode picks its tokens exactly as the eager one does.
-
-The same `StaticStep.run` runs eagerly (on the CPU, where tests check its tokens against the
-growing-cache decode) and is captured on CUDA by `StaticDecoder`. The capture path is never run by
-the CPU test suite: tests/test_cuda.py checks graph == eager tokens on a GPU.
+decode picks its tokens exactly as the eager one does. The same steps run eagerly on the CPU (where
+tests check their tokens against the growing-cache decode); the capture paths are never run by the
+CPU test suite: tests/test_cuda.py checks graph == eager tokens on a GPU.
 
 Without a graph (the CPU), a step may also feed tokens drafted from the prompt (kvrag.decode.draft):
 their rows are the logits the following steps would compute, kept and served when the token chosen is
@@ -32,21 +35,20 @@ length back when decoding ends (`SpliceLayer.adopt`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Sequence
 
 import torch
 
 from kvrag.decode.batch import batcher_for
+from kvrag.decode.pool import Seat
 from kvrag.decode.draft import PromptLookup
+from kvrag.decode.graphs import CAPTURE_LOCK
 from kvrag.decode.lean import lean_step
 from kvrag.model.cache import SlotCache, SpliceLayer, cache_arg
 from kvrag.model.home_thread import on_home
 
 log = logging.getLogger(__name__)
-# torch allows one graph capture at a time per process; engines over different models may decode in parallel threads
-_CAPTURE_LOCK = threading.Lock()
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -110,11 +112,12 @@ class StaticDecoder:
 
     def __init__(self, lm: Any, cache: Any, steps: int, graph: bool | None = None,
                  context_ids: Sequence[int] = (), draft_tokens: int = 0) -> None:
-        """`steps`: the most forwards this decode can take (the capacity is made to hold them).
+        """`steps`: the most forwards this decode can take (the room is made to hold them).
         `draft_tokens`: tokens drafted from `context_ids` (the prompt's) and the answer so far to feed
-        with each step when it decodes alone (kvrag.decode.draft); without a graph only. With a graph,
-        a sequence replays it while it decodes alone and joins the batched step (kvrag.decode.batch,
-        run eagerly) while others decode too; both write the same buffers, so it may go back and forth."""
+        with each step when it decodes alone (kvrag.decode.draft); without a graph only. On a model
+        with a lean step the sequence takes a row of the model's slot pool and steps with every other
+        sequence decoding now (kvrag.decode.batch), from a graph per batch bucket on CUDA; otherwise
+        (or when the pool is full) it steps alone over its own buffers, from a graph of its own."""
         if not supports(cache):
             raise ValueError("this cache cannot be decoded statically (layers of different lengths, or a batch)")
         t = time.perf_counter()
@@ -123,34 +126,45 @@ class StaticDecoder:
         self.buffers = [_room(layer, self.start + steps) for layer in cache.layers]
         self.capacity = self.buffers[0][0].shape[-2]
         self.written = 0
-        self.step = StaticStep(lm.model, self.buffers, lm.dtype, lm.device)
         self.graph = lm.device.type == "cuda" if graph is None else graph
         self._lock = lm.lock
         self._batcher = None
-        if self.step.lean is not None:  # every device: concurrent answers share one forward a step
-            self._batcher = batcher_for(lm, self.step.lean)
-            self._batcher.join()
-        self.draft_tokens = draft_tokens if self._batcher is not None and not self.graph else 0
+        self._seat: Seat | None = None
+        lean = lean_step(lm.model)
+        if lean is not None:  # every device: concurrent answers share one forward a step
+            self._batcher = batcher_for(lm, lean)
+            self._seat = self._batcher.seat(self.buffers, self.start, self.start + steps)
+            if self._seat is None:  # the pool cannot take it: decode alone
+                self._batcher = None
+            else:
+                self.capacity = self.start + steps
+        self.seated = self._seat is not None  # decodes in a row of the model's slot pool, batched with the others
+        # the single-sequence step over its own buffers (not made for a seated sequence)
+        self.step = StaticStep(lm.model, self.buffers, lm.dtype, lm.device) if self._seat is None else None
+        self.draft_tokens = draft_tokens if self._seat is not None and not self.graph else 0
         self._lookup = PromptLookup(context_ids) if self.draft_tokens > 0 else None
         self._ahead: list[tuple[int, torch.Tensor]] = []  # (drafted token, the logits after it), verified already
         self.forwards = 0  # forwards run; the rest of the steps were served from verified drafts
         self.accepted = 0  # steps whose token was the one drafted, served without a forward
-        self._graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self._graph: Any = None  # torch.cuda.CUDAGraph of the single-sequence step, once captured
         self._out: torch.Tensor | None = None
-        self.replays = 0  # steps served by replaying the graph (tests read it: the capture did not fall back)
-        # the one-time cost before the first step: the static room, and on CUDA the graph's warm-up and
-        # capture (synchronised, so it includes the room's copy on the device); `AnswerStats.decode_setup_s`
+        self.replays = 0  # steps served by replaying a graph (tests read it: the capture did not fall back)
+        # the one-time cost before the first step: the room, the pool row's copy, and on CUDA the graph's
+        # warm-up and capture when a step needs one (synchronised, so it includes the device's copies);
+        # `AnswerStats.decode_setup_s`
         self.setup_s = time.perf_counter() - t
 
     @property
     def weights(self) -> str:
         """What the steps read: "model" (its own weights) or "int8" (kvrag.decode.int8)."""
-        return self.step.lean.weights if self.step.lean is not None else "model"
+        if self._batcher is not None:
+            return self._batcher._step.weights
+        return self.step.lean.weights if self.step is not None and self.step.lean is not None else "model"
 
     @property
     def captured(self) -> bool:
         """Whether the steps replay a captured CUDA graph (tests read this)."""
-        return self._graph is not None
+        return self._graph is not None or self.replays > 0
 
     @torch.no_grad()
     def __call__(self, token: int, position: int) -> torch.Tensor:
@@ -167,11 +181,12 @@ class StaticDecoder:
                 self.accepted += 1
                 return logits
             self._ahead.clear()  # not chosen: the slots it and those after it wrote are rewritten from here
-        if self._batcher is not None and not (self.graph and self._batcher.alone()):
-            # shared with the other sequences decoding now (a graph replays one sequence's step: it
-            # serves a sequence only while it decodes alone)
+        if self._seat is not None:  # with the other sequences decoding now (alone: a bucket of one)
             drafts = self._drafts(slot)
-            rows = self._batcher.step(self.buffers, [token, *drafts], position, slot)
+            call = self._batcher.step(self._seat, [token, *drafts], position, slot, self.graph)
+            self.replays += int(call.replayed)
+            self.setup_s += call.setup_s
+            rows = call.logits
             self._ahead = list(zip(drafts, rows[1:]))
             logits = rows[0]
         else:
@@ -211,7 +226,7 @@ class StaticDecoder:
         """Capture `StaticStep.run` (GPU only; never run by the CPU tests). The warm-up runs compute this
         very step (same inputs, same slot), so the replay that follows rewrites the same K/V. Once per
         answer: the graph holds this answer's buffers (`decode_setup_s` says what that costs)."""
-        with _CAPTURE_LOCK:
+        with CAPTURE_LOCK:  # one capture at a time per process (the pooled step's too)
             return self._capture_now()
 
     def _capture_now(self) -> torch.Tensor:
@@ -244,10 +259,11 @@ class StaticDecoder:
         return out
 
     def close(self) -> None:
-        """Hand the written length back to the cache's layers and free the graph (and its memory pool)."""
-        if self._batcher is not None:
-            self._batcher.leave()
-            self._batcher = None
+        """Hand the written length back to the cache's layers (a seated sequence's answer K/V copied back
+        from its pool row first) and free a graph of its own (and its memory pool)."""
+        if self._seat is not None:
+            seat, self._seat = self._seat, None
+            self._batcher.unseat(seat, self.buffers)
         length = self.start + self.written
         for layer, (kbuf, vbuf) in zip(self.cache.layers, self.buffers):
             _adopt(layer, kbuf, vbuf, length)

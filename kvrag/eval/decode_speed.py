@@ -75,34 +75,52 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
-def batched_step_ms(model: Any, context_tokens: int, sizes: Sequence[int] = (1, 8), repeats: int = 8) -> dict[int, float]:
-    """Milliseconds of one batched decode step (`LeanStep.many`, the CPU's) for each number of sequences
-    in `sizes`, every sequence over its own `context_tokens` of K/V (random: timing only), the sizes
-    interleaved and the median of `repeats` kept. Why: how much more a step of 8 sequences costs than
-    a step of one is what batching can give at most (the server benchmark's ceiling). {} without a lean step."""
+def random_pool(model: Any, context_tokens: int, rows: int, steps: int = 16) -> tuple[Any, list[Any]]:
+    """A slot pool of `model` (kvrag.decode.pool) and its step (kvrag.decode.graphs) with `rows` sequences
+    seated, each over the same `context_tokens` of random K/V (timing only) with room for `steps` more.
+    None, [] without a lean step. What the step timer and scripts/gpu/decode_profile.py measure."""
+    from kvrag.decode.graphs import PooledStep
+    from kvrag.decode.pool import SlotPool
+
     step = lean_step(model)
     if step is None:
-        return {}
+        return None, []
     cfg = model.config
     param = next(model.parameters())
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = (1, kv_heads, context_tokens + repeats + 4, head_dim)
     gen = torch.Generator(device="cpu").manual_seed(0)
+    shape = (1, kv_heads, context_tokens, head_dim)
+    kv = [tuple(torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2))
+          for _ in range(cfg.num_hidden_layers)]
+    pooled = PooledStep(step, SlotPool(len(kv), kv_heads, head_dim, param.dtype, param.device, max_rows=rows))
+    seats = [pooled.seat(kv, context_tokens, context_tokens + steps) for _ in range(rows)]
+    return pooled, seats
 
-    def buffers() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [tuple(torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2))  # type: ignore[misc]
-                for _ in range(cfg.num_hidden_layers)]
 
-    seqs = [buffers() for _ in range(max(sizes))]
+def batched_step_ms(model: Any, context_tokens: int, sizes: Sequence[int] = (1, 8), repeats: int = 8,
+                    graph: bool | None = None) -> dict[int, float]:
+    """Milliseconds of one batched decode step for each number of sequences in `sizes`: the step the
+    engine runs (the slot pool's, kvrag.decode.graphs; replayed from its CUDA graph on CUDA unless
+    `graph=False`), every sequence over its own `context_tokens` of K/V (random: timing only), the sizes
+    interleaved and the median of `repeats` kept (the first round, which captures, is left out). Why:
+    how much more a step of 8 sequences costs than a step of one is what batching can give at most
+    (the server benchmark's ceiling). {} without a lean step."""
+    pooled, seats = random_pool(model, context_tokens, max(sizes), repeats + 2)
+    if pooled is None:
+        return {}
+    device = pooled.pool.device
+    graph = device.type == "cuda" if graph is None else graph
     times: dict[int, list[float]] = {b: [] for b in sizes}
-    for i in range(repeats + 1):  # the first round warms up
+    for i in range(repeats + 1):  # the first round warms up (and captures)
         for b in sizes:
-            tokens = torch.full((b, 1), 100 + i, device=param.device)
-            positions = torch.full((b, 1), context_tokens + i, device=param.device)
+            slot = context_tokens + i
+            feeds = [(seats[j], 100 + i, slot, slot) for j in range(b)]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             t = time.perf_counter()
-            step.many(tokens, positions, [(seqs[j], context_tokens + i) for j in range(b)])
-            if param.device.type == "cuda":
+            pooled.run(feeds, graph)
+            if device.type == "cuda":
                 torch.cuda.synchronize()
             if i:
                 times[b].append((time.perf_counter() - t) * 1000)

@@ -9,7 +9,7 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from kvrag.decode.batch import decode_batch_stats
+from kvrag.decode.batch import decode_batch_stats, reserve_decode_rows
 from kvrag.engine import KVRag
 from kvrag.server import chat, chunks
 from kvrag.server.auth import APIKeys, KeyRing
@@ -30,6 +30,8 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
     and what `POST /v1/chunks` adds to; None: no server-side retrieval."""
     settings = settings or ServerSettings()
     gate = RequestGate(settings.max_concurrency, settings.max_queue)
+    if getattr(getattr(rag, "lm", None), "model", None) is not None:  # the answers running at once decode in one pool's rows
+        reserve_decode_rows(rag.lm, settings.max_concurrency)
     prefix_cache = getattr(rag, "prefix_cache", None)
     metrics = ServerMetrics(gate, lambda: decode_batch_stats(getattr(rag.lm, "model", None)),
                             prefix_cache.snapshot if prefix_cache is not None else PrefixCacheStats, lambda: index_state_of(index))
