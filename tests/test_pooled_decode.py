@@ -336,3 +336,19 @@ def test_concurrent_answers_replay_graphs_alone_and_together(rag, fake_graphs, m
     assert results == alone
     assert all(d.replays == d.forwards > 0 for d in made)
     assert batcher(rag).stats.largest >= 2 or largest >= 2
+
+
+def test_a_server_makes_its_concurrency_s_rows_at_once(rag):
+    """create_app reserves the pool's rows for its max_concurrency: the first answers that decode
+    together do not grow the pool (on a GPU each growth drops the captured graphs)."""
+    from kvrag.server import ServerSettings, create_app
+
+    b = batcher(rag)
+    b.clear()
+    create_app(rag, ServerSettings(max_concurrency=3))
+    s = Seq(rag, "full", THREE_Q, 4)
+    try:
+        assert b.pooled.pool.rows == 4 and b.pooled.pool.generation == 1
+    finally:
+        s.finish()
+        b.reserve(1)

@@ -131,6 +131,7 @@ class StaticDecoder:
         self._batcher = None
         self._seat: Seat | None = None
         lean = lean_step(lm.model)
+        self._weights = lean.weights if lean is not None else "model"
         if lean is not None:  # every device: concurrent answers share one forward a step
             self._batcher = batcher_for(lm, lean)
             self._seat = self._batcher.seat(self.buffers, self.start, self.start + steps)
@@ -157,9 +158,7 @@ class StaticDecoder:
     @property
     def weights(self) -> str:
         """What the steps read: "model" (its own weights) or "int8" (kvrag.decode.int8)."""
-        if self._batcher is not None:
-            return self._batcher._step.weights
-        return self.step.lean.weights if self.step is not None and self.step.lean is not None else "model"
+        return self._weights
 
     @property
     def captured(self) -> bool:
