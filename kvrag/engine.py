@@ -18,7 +18,8 @@ from kvrag.chat import Conversation
 from kvrag.core import KVRagCore
 from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.decode.lean import use_decode_weights
-from kvrag.kv.layout import PromptLayout
+from kvrag.kv.layout import PromptLayout, make_layout
+from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
 from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
 from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
 from kvrag.model.loading import LoadedModel, load_model
@@ -51,7 +52,7 @@ class KVRag(KVRagCore):
         self,
         lm: LoadedModel,
         store: KVStore | str | None = None,
-        layout: PromptLayout | None = None,
+        layout: "PromptLayout | LayoutOptions | dict | str | None" = None,
         batch_size: int = 8,
         check: bool = True,
         link_adapter: str | Path | LinkAdapter | None = "auto",
@@ -83,8 +84,15 @@ class KVRag(KVRagCore):
         kvrag.decode.int8, `kvrag bench-decode`); None (default): as chosen before, else "model".
         Prefill always reads the model's own weights. `stats.decode_weights` says what an answer used.
 
-        `prefix_cache`: the exact prefix cache finished turns are kept in (see `KVRagCore`)."""
-        layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
+        `prefix_cache`: the exact prefix cache finished turns are kept in (see `KVRagCore`).
+
+        `layout`: how the prompt is laid out, one object (`kvrag.LayoutOptions`: place of the documents,
+        instruction, chunk template, question template), or a dict, a preset name ("default", "v1"), JSON
+        text or a JSON file; validated here (a chunk template without `{text}` raises ValueError naming
+        it). The keywords `system_prompt`, `chunk_template`, `untitled_chunk_template` and
+        `question_template` change one field of it. Chunk KV is keyed by the layout's prefix and the
+        chunk's own tokens under it, so two layouts never share KV that differs."""
+        layout = make_layout(lm.tokenizer, layout, **layout_kwargs)
         adapter = _choose_adapter(link_adapter, lm, layout)
         self._link_adapter = adapter
         self.check_report = gate(lm) if check else None
@@ -113,7 +121,8 @@ class KVRag(KVRagCore):
         `device`: "auto" (CUDA when a GPU is there, else CPU), "cuda", "cuda:N" or "cpu". `dtype`:
         "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16" or "float32". Stored
         entries record their dtype and are cast to the engine's on load. `check=False` skips the
-        per-model correctness gate (see `KVRag.__init__`). `link_adapter`, `decode_weights`: see `KVRag.__init__`.
+        per-model correctness gate (see `KVRag.__init__`). `link_adapter`, `decode_weights`, `layout` (in
+        `kwargs`): see `KVRag.__init__`.
         """
         lm = load_model(model, device=device, dtype=dtype)
         return cls(lm, store=store, check=check, link_adapter=link_adapter, decode_weights=decode_weights, **kwargs)
