@@ -153,3 +153,44 @@ def test_a_new_layout_version_makes_old_entries_misses(monkeypatch):
     rag = KVRag(lm, store=store, link_adapter=None)
     stats = rag.prefill("What did the cat do?", chunks=CHUNKS, method="reuse").stats
     assert stats.cache_hits == 0 and stats.cache_misses == len(CHUNKS)
+
+
+# -- the faces: one layout object on `kvrag serve` and the integrations, checked at start ------------------
+def test_kvrag_serve_takes_the_layout_as_one_json_option_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    import argparse
+
+    from kvrag.cli.serve import add_serve_parser, settings_from_args
+    from kvrag.server import ServerSettings
+
+    monkeypatch.delenv("KVRAG_LAYOUT", raising=False)
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    given = '{"place": "user", "question_template": "Q: {question}"}'
+    settings = settings_from_args(parser.parse_args(["serve", "--layout", given]))
+    assert settings.layout_options == LayoutOptions.of(given)
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps({"preset": "v1"}))
+    assert settings_from_args(parser.parse_args(["serve", "--layout", str(path)])).layout_options == V1_LAYOUT
+    assert settings_from_args(parser.parse_args(["serve"])).layout_options == DEFAULT_LAYOUT
+    with pytest.raises(ValueError, match="chunk_template"):
+        settings_from_args(parser.parse_args(["serve", "--layout", '{"chunk_template": "Document:"}']))
+    with pytest.raises(ValueError, match="chunk_template"):
+        ServerSettings(layout={"chunk_template": "no text here"})
+
+
+def test_the_integrations_take_the_layout_and_check_it_when_made():
+    pytest.importorskip("llama_index.core")
+    from kvrag.integrations.langchain import ChatKVRag
+    from kvrag.integrations.llama_index import KVRagLLM
+
+    rag = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://", check=False, layout=CANDIDATES["chat"])
+    for make in (lambda **kw: KVRagLLM(**kw), lambda **kw: ChatKVRag(**kw)):
+        with pytest.raises(ValueError, match="chunk_template"):
+            make(layout={"chunk_template": "Document:"}, rag=rag)
+        with pytest.raises(ValueError, match="another layout"):
+            make(layout="v1", rag=rag)  # the engine given has its own
+        with pytest.raises(ValueError, match="kvrag serve --layout"):
+            make(layout="v1", server="http://127.0.0.1:1")
+        assert make(layout=CANDIDATES["chat"], rag=rag).layout == CANDIDATES["chat"].to_dict()
+    lazy = ChatKVRag(layout={"preset": "v1", "instruction": "Be terse."})  # no model loaded yet: checked all the same
+    assert LayoutOptions.of(lazy.layout) == V1_LAYOUT.replace(instruction="Be terse.")
