@@ -21,6 +21,7 @@ from kvrag.decode.lean import use_decode_weights
 from kvrag.kv.layout import PromptLayout, make_layout
 from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
 from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
+from kvrag.errors import AdapterMismatchError
 from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
 from kvrag.model.loading import LoadedModel, load_model
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
@@ -226,15 +227,19 @@ def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layo
     if isinstance(spec, str) and spec in SHIPPED_SPECS:
         return _shipped_adapter(lm, layout, ("tuned",) if spec == "tuned" else ("links",))
     adapter = spec if isinstance(spec, LinkAdapter) else load_adapter(spec)
-    check_adapter(adapter, lm, layout.identity, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
+    check_adapter(adapter, lm, layout.adapter_identities, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
     return adapter
 
 
 def _shipped_adapter(lm: LoadedModel, layout: PromptLayout, kinds: tuple[str, ...]) -> LinkAdapter | None:
-    """The first shipped adapter of these kinds that fits (a custom system prompt or another model: none)."""
+    """The first shipped adapter of these kinds that fits (another layout or model: none). The shipped adapters
+    were trained with one layout (kvrag.kv.layout_options.V1_LAYOUT): under any other, kvlink has no adapter,
+    said once at info level (the default method never needs one)."""
     for path in shipped_adapter_paths(lm, kinds):
         try:
-            return load_adapter(path, lm, layout.identity)
-        except Exception as exc:  # a custom system prompt, another layout version...: try the next, else none
+            return load_adapter(path, lm, layout.adapter_identities)
+        except AdapterMismatchError as exc:  # trained for another layout: expected under every layout but its own
+            log.info("not using the shipped link adapter %s: %s", path.name, exc)
+        except Exception as exc:  # a damaged file...: try the next, else none
             log.warning("not using the shipped link adapter %s: %s", path.name, exc)
     return None

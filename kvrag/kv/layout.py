@@ -16,8 +16,12 @@ from kvrag.chat import Conversation
 from kvrag.kv.layout_options import LayoutOptions
 from kvrag.types import Chunk
 
-# Bump when the way segments are built or tokenised changes: old cache entries become misses.
+# Bump when the way segments are built or tokenised changes, or the default layout does: old cache entries
+# become misses.
 LAYOUT_VERSION = "1"
+# the versions whose layouts this code lays out token for token as they did (a link adapter trained under one
+# still fits the same layout: kvrag.link_adapter.check_adapter)
+SAME_SEGMENTS = ("1",)
 # The input id a link slot carries in `Segments.all_ids` (never embedded: link slots take the link
 # adapter's embedding rows instead).
 LINK_PLACEHOLDER = 0
@@ -340,10 +344,20 @@ class PromptLayout:
 
     @property
     def identity(self) -> str:
-        """Hash of everything that shapes cached KV besides the chunk itself: layout version and prefix ids."""
-        h = hashlib.sha256(f"layout-v{LAYOUT_VERSION}:".encode())
+        """Hash of everything that shapes cached KV besides the chunk itself: layout version and prefix ids
+        (a chunk's own ids, template included, are in its key beside this)."""
+        return self.identity_at(LAYOUT_VERSION)
+
+    def identity_at(self, version: str) -> str:
+        h = hashlib.sha256(f"layout-v{version}:".encode())
         h.update(",".join(map(str, self.prefix_ids)).encode())
         return h.hexdigest()[:32]
+
+    @property
+    def adapter_identities(self) -> dict[str, str]:
+        """This layout's identity under each layout version whose segments this code builds token for token
+        as it does (`SAME_SEGMENTS`): a link adapter trained under any of them fits a layout with its identity."""
+        return {v: self.identity_at(v) for v in SAME_SEGMENTS}
 
 
 def make_layout(tokenizer: Any, layout: "PromptLayout | LayoutOptions | dict | str | None" = None, **changes: Any) -> PromptLayout:
