@@ -27,7 +27,16 @@ def block_name(record: dict[str, Any]) -> str:
 
 def summarise(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """block -> "layout|method|half" -> n, contained (count, rate, 95% interval), agreement with Full. Only rows
-    every layout has answered count (a stopped run's table stays paired)."""
+    every layout has answered count (a stopped run's table stays paired); an answer recorded twice (two runs
+    over one folder) counts once, the first."""
+    seen: set[tuple[Any, ...]] = set()
+    unique = []
+    for r in records:
+        key = (r["set"], r["row"], r["layout"], r["method"], r["turn"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    records = unique
     layouts = {r["layout"] for r in records if r["layout"] != REFERENCE}
     rows: dict[tuple[str, str], set[str]] = defaultdict(set)
     for r in records:
