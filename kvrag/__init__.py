@@ -24,6 +24,7 @@ _HOMES = {
     "ModelLoadError": "kvrag.errors",
     "StoreUnavailableError": "kvrag.errors",
     "UnsupportedModelError": "kvrag.errors",
+    "LayoutOptions": "kvrag.kv.layout_options",
     "LoadedModel": "kvrag.model.loading",
     "from_model": "kvrag.model.loading",
     "load_model": "kvrag.model.loading",
@@ -35,6 +36,7 @@ __all__ = sorted(_HOMES) + ["__version__"]
 
 if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ below
     from kvrag.engine import AnswerStream, KVRag, PrecomputeReport, Prefill
+    from kvrag.kv.layout_options import LayoutOptions
     from kvrag.errors import (
         AdapterMismatchError,
         ChunkNotFoundError,

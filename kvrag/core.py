@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvrag.cache_backends import KVStore, open_store
-from kvrag.kv.layout import PromptLayout
+from kvrag.kv.layout import PromptLayout, make_layout
+from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
 from kvrag.model.loading import LoadedModel, kvrag_home
 from kvrag.kv.kinds import KIND_CHUNK
 from kvrag.options import DEFAULT_METHOD, AnswerOptions
@@ -36,15 +37,17 @@ class KVRagCore:
         self,
         lm: LoadedModel,
         store: KVStore | str | None = None,
-        layout: PromptLayout | None = None,
+        layout: "PromptLayout | LayoutOptions | dict | str | None" = None,
         batch_size: int = 8,
         prefix_cache: PrefixCache | None = None,
         **layout_kwargs: Any,
     ) -> None:
-        """`prefix_cache`: where finished turns' KV is kept for the next turn (kvrag.kv.prefix_cache;
-        default: a new one bounded by $KVRAG_PREFIX_CACHE_MB, 1 GiB; `PrefixCache(0)` keeps nothing)."""
+        """`layout`: how the prompt is laid out (kvrag.kv.layout_options: LayoutOptions, a dict, a preset name,
+        JSON text or a JSON file; None: the default), validated here. `prefix_cache`: where finished turns'
+        KV is kept for the next turn (kvrag.kv.prefix_cache; default: a new one bounded by
+        $KVRAG_PREFIX_CACHE_MB, 1 GiB; `PrefixCache(0)` keeps nothing)."""
         self.lm = lm
-        self.layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
+        self.layout = make_layout(lm.tokenizer, layout, **layout_kwargs)
         if store is None or isinstance(store, str):  # default: memory -> disk on CPU; GPU -> pinned host -> disk on CUDA
             store = open_store(store, default_root=kvrag_home() / "kv", device=lm.device)
         self.store: KVStore = store

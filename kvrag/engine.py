@@ -18,8 +18,10 @@ from kvrag.chat import Conversation
 from kvrag.core import KVRagCore
 from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.decode.lean import use_decode_weights
-from kvrag.kv.layout import PromptLayout
+from kvrag.kv.layout import PromptLayout, make_layout
+from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
 from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
+from kvrag.errors import AdapterMismatchError
 from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
 from kvrag.model.loading import LoadedModel, load_model
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
@@ -51,7 +53,7 @@ class KVRag(KVRagCore):
         self,
         lm: LoadedModel,
         store: KVStore | str | None = None,
-        layout: PromptLayout | None = None,
+        layout: "PromptLayout | LayoutOptions | dict | str | None" = None,
         batch_size: int = 8,
         check: bool = True,
         link_adapter: str | Path | LinkAdapter | None = "auto",
@@ -83,8 +85,15 @@ class KVRag(KVRagCore):
         kvrag.decode.int8, `kvrag bench-decode`); None (default): as chosen before, else "model".
         Prefill always reads the model's own weights. `stats.decode_weights` says what an answer used.
 
-        `prefix_cache`: the exact prefix cache finished turns are kept in (see `KVRagCore`)."""
-        layout = layout or PromptLayout(lm.tokenizer, **layout_kwargs)
+        `prefix_cache`: the exact prefix cache finished turns are kept in (see `KVRagCore`).
+
+        `layout`: how the prompt is laid out, one object (`kvrag.LayoutOptions`: place of the documents,
+        instruction, chunk template, question template), or a dict, a preset name ("default", "v1"), JSON
+        text or a JSON file; validated here (a chunk template without `{text}` raises ValueError naming
+        it). The keywords `system_prompt`, `chunk_template`, `untitled_chunk_template` and
+        `question_template` change one field of it. Chunk KV is keyed by the layout's prefix and the
+        chunk's own tokens under it, so two layouts never share KV that differs."""
+        layout = make_layout(lm.tokenizer, layout, **layout_kwargs)
         adapter = _choose_adapter(link_adapter, lm, layout)
         self._link_adapter = adapter
         self.check_report = gate(lm) if check else None
@@ -113,7 +122,8 @@ class KVRag(KVRagCore):
         `device`: "auto" (CUDA when a GPU is there, else CPU), "cuda", "cuda:N" or "cpu". `dtype`:
         "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16" or "float32". Stored
         entries record their dtype and are cast to the engine's on load. `check=False` skips the
-        per-model correctness gate (see `KVRag.__init__`). `link_adapter`, `decode_weights`: see `KVRag.__init__`.
+        per-model correctness gate (see `KVRag.__init__`). `link_adapter`, `decode_weights`, `layout` (in
+        `kwargs`): see `KVRag.__init__`.
         """
         lm = load_model(model, device=device, dtype=dtype)
         return cls(lm, store=store, check=check, link_adapter=link_adapter, decode_weights=decode_weights, **kwargs)
@@ -217,15 +227,19 @@ def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layo
     if isinstance(spec, str) and spec in SHIPPED_SPECS:
         return _shipped_adapter(lm, layout, ("tuned",) if spec == "tuned" else ("links",))
     adapter = spec if isinstance(spec, LinkAdapter) else load_adapter(spec)
-    check_adapter(adapter, lm, layout.identity, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
+    check_adapter(adapter, lm, layout.adapter_identities, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
     return adapter
 
 
 def _shipped_adapter(lm: LoadedModel, layout: PromptLayout, kinds: tuple[str, ...]) -> LinkAdapter | None:
-    """The first shipped adapter of these kinds that fits (a custom system prompt or another model: none)."""
+    """The first shipped adapter of these kinds that fits (another layout or model: none). The shipped adapters
+    were trained with one layout (kvrag.kv.layout_options.V1_LAYOUT): under any other, kvlink has no adapter,
+    said once at info level (the default method never needs one)."""
     for path in shipped_adapter_paths(lm, kinds):
         try:
-            return load_adapter(path, lm, layout.identity)
-        except Exception as exc:  # a custom system prompt, another layout version...: try the next, else none
+            return load_adapter(path, lm, layout.adapter_identities)
+        except AdapterMismatchError as exc:  # trained for another layout: expected under every layout but its own
+            log.info("not using the shipped link adapter %s: %s", path.name, exc)
+        except Exception as exc:  # a damaged file...: try the next, else none
             log.warning("not using the shipped link adapter %s: %s", path.name, exc)
     return None

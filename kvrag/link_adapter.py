@@ -199,7 +199,7 @@ def read_adapter_header(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def load_adapter(path: str | os.PathLike, lm: LoadedModel | None = None, layout_identity: str | None = None) -> LinkAdapter:
+def load_adapter(path: str | os.PathLike, lm: LoadedModel | None = None, layout_identity: "str | Mapping[str, str] | None" = None) -> LinkAdapter:
     """Read an adapter file; with `lm` (and `layout_identity`) check that it was trained for them."""
     meta = read_adapter_header(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -222,8 +222,11 @@ def load_adapter(path: str | os.PathLike, lm: LoadedModel | None = None, layout_
     return adapter
 
 
-def check_adapter(adapter: LinkAdapter, lm: LoadedModel, layout_identity: str | None = None, where: str = "link adapter") -> None:
-    """Raise AdapterMismatchError unless the adapter was trained for this base model (any dtype) and layout."""
+def check_adapter(adapter: LinkAdapter, lm: LoadedModel, layout_identity: "str | Mapping[str, str] | None" = None,
+                  where: str = "link adapter") -> None:
+    """Raise AdapterMismatchError unless the adapter was trained for this base model (any dtype) and layout.
+    `layout_identity`: the layout's identity, or its identity under each layout version it is built the same
+    way in (`PromptLayout.adapter_identities`)."""
     meta = adapter.meta
     if lm.source.endswith(MERGED_SUFFIX) and meta.get("base_fingerprint") != lm.fingerprint:
         raise AdapterMismatchError(
@@ -236,14 +239,17 @@ def check_adapter(adapter: LinkAdapter, lm: LoadedModel, layout_identity: str | 
             f"{meta.get('base_source')}) than this one ({lm.fingerprint}, {lm.source}); "
             "train one for this model with `kvrag train-links --model ...`"
         )
-    if meta.get("layout_version") != LAYOUT_VERSION:
+    identities = layout_identity if isinstance(layout_identity, Mapping) else None
+    version = meta.get("layout_version")
+    if (version not in identities) if identities is not None else (version != LAYOUT_VERSION):
         raise AdapterMismatchError(
-            f"{where} was trained with prompt layout version {meta.get('layout_version')}, this kvrag uses {LAYOUT_VERSION}; retrain it"
+            f"{where} was trained with prompt layout version {version}, this kvrag uses {LAYOUT_VERSION}; retrain it"
         )
-    if layout_identity is not None and meta.get("layout_identity") not in (None, layout_identity):
+    expected = identities[version] if identities is not None else layout_identity
+    if expected is not None and meta.get("layout_identity") not in (None, expected):
         raise AdapterMismatchError(
-            f"{where} was trained with another prompt layout (system prompt / chat template: {meta.get('layout_identity')}) "
-            f"than this engine's ({layout_identity}); use the layout it was trained with or retrain it"
+            f"{where} was trained with another prompt layout (instruction, place of the documents / chat template: "
+            f"{meta.get('layout_identity')}) than this engine's ({expected}); use the layout it was trained with or retrain it"
         )
     hidden = text_config(lm.model).hidden_size
     if adapter.embeds.shape[-1] != hidden:

@@ -22,6 +22,7 @@ from pydantic import AliasChoices, Field, PrivateAttr
 
 from kvrag.chat import Conversation, Turn, last_user_text, prompt_of
 from kvrag.engine import AnswerStream, KVRag
+from kvrag.kv.layout_options import LayoutOptions, face_layout
 from kvrag.model.loading import BUNDLED_NAME
 from kvrag.defaults import DEFAULT_METHOD, TUNED_METHOD
 from kvrag.options import AnswerOptions
@@ -94,13 +95,17 @@ class ChatKVRag(BaseChatModel):
     store: str | None = Field(default=None, description="KV store URL (memory://, disk:///path, redis://, tiered://); None is the default disk store.")
     streaming: bool = Field(default=False, description="Route `invoke` through streaming (LangChain convention).")
     server: str | None = Field(default=None, description="URL of a running `kvrag serve` (e.g. http://127.0.0.1:8600); calls go over HTTP and no model is loaded here.")
+    layout: dict[str, Any] | str | None = Field(default=None, description="The prompt layout, one object (kvrag.LayoutOptions fields: place, instruction, chunk_template, question_template, ...), a preset name or JSON; None is the default. Checked when the chat model is made.")
 
     _rag: KVRag | None = PrivateAttr(default=None)
     _rag_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _last_stats: AnswerStats | None = PrivateAttr(default=None)
 
     def __init__(self, *, rag: KVRag | None = None, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("layout"), LayoutOptions):
+            kwargs["layout"] = kwargs["layout"].to_dict()
         super().__init__(**kwargs)
+        face_layout(self.layout, rag=rag, server=self.server)
         self._rag = rag
 
     @property
@@ -109,7 +114,7 @@ class ChatKVRag(BaseChatModel):
         if self._rag is None:
             with self._rag_lock:
                 if self._rag is None:
-                    self._rag = KVRag.from_pretrained(model=self.model_name, store=self.store)
+                    self._rag = KVRag.from_pretrained(model=self.model_name, store=self.store, layout=face_layout(self.layout))
         return self._rag
 
     @property

@@ -32,6 +32,7 @@ from llama_index.core.schema import BaseNode, MetadataMode
 from kvrag.chat import Conversation
 from kvrag.engine import AnswerStream, KVRag
 from kvrag.ingest.prompt_match import match_conversation
+from kvrag.kv.layout_options import LayoutOptions, face_layout
 from kvrag.defaults import DEFAULT_METHOD, TUNED_METHOD
 from kvrag.options import AnswerOptions
 from kvrag.client import stream_via_server
@@ -71,13 +72,17 @@ class KVRagLLM(CustomLLM):
     top_p: float = Field(default=1.0, description="nucleus sampling threshold")
     server: str | None = Field(default=None, description="URL of a running `kvrag serve`; calls go over HTTP and no model is loaded here")
     context_window: int = Field(default=8192, description="the served model's context (used only with `server`)")
+    layout: dict[str, Any] | str | None = Field(default=None, description="the prompt layout, one object (kvrag.LayoutOptions fields: place, instruction, chunk_template, question_template, ...), a preset name or JSON; None = the default; checked when the LLM is made")
 
     _rag: KVRag = PrivateAttr()
     _last_stats: AnswerStats | None = PrivateAttr(default=None)
 
     def __init__(self, rag: KVRag | None = None, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("layout"), LayoutOptions):
+            kwargs["layout"] = kwargs["layout"].to_dict()
         super().__init__(**kwargs)
-        self._rag = rag if rag is not None or self.server else KVRag.from_pretrained(self.model_name, store=self.store)
+        opts = face_layout(self.layout, rag=rag, server=self.server)
+        self._rag = rag if rag is not None or self.server else KVRag.from_pretrained(self.model_name, store=self.store, layout=opts)
 
     @property
     def rag(self) -> KVRag:

@@ -64,14 +64,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(e.g. --adapter lora5=a.safetensors --methods kvlink:link_tokens=5,model=lora5 --ratios 0)")
 
     ev = sub.add_parser("eval", help="evaluation suites: `eval suite` decides the default on several kinds of data")
-    ev.add_argument("suite", choices=("suite", "storage"),
+    ev.add_argument("suite", choices=("suite", "storage", "layout"),
                     help="suite: every set at two answer lengths, the rule applied (docs: Methods, how the default is chosen); "
                          "storage: each set answered from float32, bf16 and int8 stores, against float32 storage's answers "
-                         "(the first --lengths value)")
+                         "(the first --lengths value); layout: every candidate prompt layout over the sets and two-turn "
+                         "conversations, the default layout chosen by the rule (docs/bench/layout)")
     ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md/json/png, or storage.md/json/png for eval storage")
     ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
-    ev.add_argument("--sets", default="sample,facts,facts-one,nq10,facts-long,musique,kv75", help="which sets, comma-separated")
-    ev.add_argument("--lengths", default="16,64", help="answer lengths in new tokens, comma-separated")
+    ev.add_argument("--sets", default=None, help="which sets, comma-separated (default: sample,facts,facts-one,nq10,facts-long,musique,kv75; "
+                                                  "eval layout: conversations and those)")
+    ev.add_argument("--lengths", default=None, help="answer lengths in new tokens, comma-separated (default 16,64; eval layout: 32)")
+    ev.add_argument("--layouts", default=None, help="eval layout: the candidate layouts to answer with (default: every one; v1 always)")
+    ev.add_argument("--conversations", type=int, default=None, help="eval layout: the first N two-turn conversations (default: all)")
     ev.add_argument("--n", type=int, default=None, help="questions per set (default: each set's own size)")
     ev.add_argument("--tuned", default="shipped", help="the reuse-tuned adapter to judge: shipped (the packaged one), a file, or none")
     ev.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help=MODEL_HELP)
@@ -111,6 +115,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _eval_command(args: argparse.Namespace) -> int:
+    if args.suite == "layout":
+        from kvrag.cli.eval_layout import cmd_eval_layout
+
+        return cmd_eval_layout(args)
+    args.sets = args.sets or "sample,facts,facts-one,nq10,facts-long,musique,kv75"
+    args.lengths = args.lengths or "16,64"
     if args.suite == "storage":
         from kvrag.cli.eval_storage import cmd_eval_storage
 

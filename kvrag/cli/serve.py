@@ -61,6 +61,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help='end each answer the server retrieved for with "Sources: [1] <title> (<file>)", for OpenAI clients '
                         "that show only the text (LangChain's ChatOpenAI drops kvrag_sources); a request's "
                         '"kvrag": {"cite": true|false} overrides it (default: off: answers are what the model said)')
+    p.add_argument("--layout", default=os.environ.get("KVRAG_LAYOUT") or d.layout, metavar="JSON|FILE|PRESET",
+                   help='the prompt layout, one object: a preset (default, v1), JSON text such as \'{"place": "system", '
+                        '"instruction": "", "chunk_template": "{title}\\n{text}\\n", "question_template": "{question}"}\' '
+                        "(keys: place system/user/turn, instruction, chunk_template with {text}, untitled_chunk_template, "
+                        "question_template with {question}, documents_end, history after/before), or a JSON file of it "
+                        "(default: $KVRAG_LAYOUT, else the default layout); checked at start")
     add_index_option(p)
     p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
                    help="a key that may read and write (chat, models, metrics; POST/DELETE /v1/chunks), sent as "
@@ -104,6 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         retrieval_turns=args.retrieval_turns,
         cite_sources=args.cite_sources,
         collection=args.collection,
+        layout=args.layout,
         index=getattr(args, "index", None),
         api_keys=_keys(args.api_keys, "KVRAG_API_KEYS"),
         read_keys=_keys(args.read_keys, "KVRAG_READ_KEYS"),

@@ -1,7 +1,8 @@
 """Prompt layout: system prefix | chunk 1 | ... | chunk n | question suffix.
 
 Each segment is tokenised on its own, so a chunk's token ids (and so its cache key) never depend
-on its neighbours or its rank. The split points come from the model's own chat template.
+on its neighbours or its rank. The split points come from the model's own chat template; where the
+documents go and how chunks and questions are written is the layout's choice (`LayoutOptions`).
 """
 
 from __future__ import annotations
@@ -12,21 +13,19 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvrag.chat import Conversation
+from kvrag.kv.layout_options import LayoutOptions
 from kvrag.types import Chunk
 
-# Bump when the way segments are built or tokenised changes: old cache entries become misses.
+# Bump when the way segments are built or tokenised changes, or the default layout does: old cache entries
+# become misses.
 LAYOUT_VERSION = "1"
+# the versions whose layouts this code lays out token for token as they did (a link adapter trained under one
+# still fits the same layout: kvrag.link_adapter.check_adapter)
+SAME_SEGMENTS = ("1",)
 # The input id a link slot carries in `Segments.all_ids` (never embedded: link slots take the link
 # adapter's embedding rows instead).
 LINK_PLACEHOLDER = 0
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a helpful assistant. Answer the question using the documents below. "
-    "Answer with a short phrase."
-)
-DEFAULT_CHUNK_TEMPLATE = "Document: {title}\n{text}\n\n"
-DEFAULT_UNTITLED_CHUNK_TEMPLATE = "Document: {text}\n\n"
-DEFAULT_QUESTION_TEMPLATE = "Question: {question}"
 
 _CTX = "\x00KVRAG_CONTEXT\x00"
 _Q = "\x00KVRAG_QUESTION\x00"
@@ -89,47 +88,62 @@ class Segments:
 
 
 class PromptLayout:
-    """Builds the segments of a RAG prompt from a tokenizer's chat template."""
+    """Builds the segments of a RAG prompt from a tokenizer's chat template and `LayoutOptions`.
+
+    `options`: LayoutOptions, a dict, a preset name or JSON (`LayoutOptions.of`); the keywords change
+    single fields of it (`system_prompt` is the instruction). A layout whose segments would not read as
+    the chat template renders the same messages (Full Attention token for token) raises ValueError."""
 
     def __init__(
         self,
         tokenizer: Any,
-        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-        chunk_template: str = DEFAULT_CHUNK_TEMPLATE,
-        untitled_chunk_template: str = DEFAULT_UNTITLED_CHUNK_TEMPLATE,
-        question_template: str = DEFAULT_QUESTION_TEMPLATE,
+        options: "LayoutOptions | dict | str | None" = None,
+        system_prompt: str | None = None,
+        chunk_template: str | None = None,
+        untitled_chunk_template: str | None = None,
+        question_template: str | None = None,
     ) -> None:
+        opts = LayoutOptions.of(options)
+        changes = {"instruction": system_prompt, "chunk_template": chunk_template, "untitled_chunk_template": untitled_chunk_template,
+                   "question_template": question_template}
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if "chunk_template" in changes and "untitled_chunk_template" not in changes and opts.untitled_chunk_template is not None:
+            changes["untitled_chunk_template"] = None  # derived from the new chunk template, not the old one's
+        self.options = opts.replace(**changes) if changes else opts
         self.tokenizer = tokenizer
         self._chunk_ids_memo: dict[str, tuple[int, ...]] = {}
-        self._prefix_memo: dict[str, tuple[int, ...]] = {}
-        self.system_prompt = system_prompt
-        self.chunk_template = chunk_template
-        self.untitled_chunk_template = untitled_chunk_template
-        self.question_template = question_template
-        self.prefix_text, self.suffix_text = self._split_template()
-        self.prefix_ids = self._prefix_ids(self.prefix_text)
-        self.suffix_ids = self._encode(self.suffix_text)
+        self._prefix_memo: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._specials = tuple(sorted(_special_texts(tokenizer), key=len, reverse=True))
+        o = self.options
+        # what follows every chunk's text: the next chunk's head, or what the layout puts after the documents
+        self._chunk_follower = o.documents_end or (o.question_template.format(question="x") if o.place == "user" else "x")
+        self._chunk_head = o.untitled.format(text="x")[:1] or "x"
+        self.prefix_text, self._single = self._render(Conversation.ask(_Q), True)
+        self.prefix_ids = self._prefix_ids(self.prefix_text, self._chunk_head)
+        at = next(i for i, p in enumerate(self._single) if _Q in p)
+        self.suffix_text = self._single[at].split(_Q, 1)[1] + "".join(self._single[at + 1 :])
+        self.suffix_ids = self._tail_ids([self._single[at].split(_Q, 1)[1], *self._single[at + 1 :]] if self._single[at].split(_Q, 1)[1]
+                                         else self._single[at + 1 :])
+        self._check_full()
 
-    # -- template -------------------------------------------------------------------------
-    def _split_template(self) -> tuple[str, str]:
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            messages = [
-                {"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": _CTX + _Q},
-            ]
-            try:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception:  # templates that reject a system role: fold it into the user turn
-                messages = [{"role": "user", "content": self.system_prompt + "\n\n" + _CTX + _Q}]
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            if _CTX in text and _Q in text:
-                prefix, rest = text.split(_CTX, 1)
-                _, suffix = rest.split(_Q, 1)
-                return prefix, suffix
-        # No chat template: a plain instruction layout.
-        return f"{self.system_prompt}\n\n", "\nAnswer:"
+    # -- the options, by their old names -------------------------------------------------------------
+    @property
+    def system_prompt(self) -> str:
+        return self.options.instruction
 
+    @property
+    def chunk_template(self) -> str:
+        return self.options.chunk_template
+
+    @property
+    def untitled_chunk_template(self) -> str:
+        return self.options.untitled
+
+    @property
+    def question_template(self) -> str:
+        return self.options.question_template
+
+    # -- tokenising -----------------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
@@ -138,26 +152,38 @@ class PromptLayout:
         whitespace before a word splits differently than at the end of a string (byte-level BPE
         gives "\n\n" at the end, "\n" "\n" before "Question"), and Full Attention must read the
         chat template's rendering token for token. Depends on the first character of `following`
-        only, so a chunk's ids still never depend on its neighbours."""
-        if not text or not text[-1].isspace() or not following or following[0].isspace():
+        only (a special token, split off before anything else, is the end of a string), so a chunk's
+        ids still never depend on its neighbours."""
+        if not text or not text[-1].isspace() or not following or following[0].isspace() or following.startswith(self._specials):
             return self._encode(text)
         ids = self._encode(text + following[0])
         if ids and self.tokenizer.decode(ids[-1:]) == following[0]:
             return ids[:-1]
         return self._encode(text)
 
-    def _prefix_ids(self, text: str) -> list[int]:
-        ids = self._encode(text)
-        tok = self.tokenizer
-        bos = getattr(tok, "bos_token", None)
-        if bos and getattr(tok, "add_bos_token", False) and not text.startswith(bos):
-            ids = [tok.bos_token_id] + ids
-        return ids
+    def _prefix_ids(self, text: str, following: str) -> list[int]:
+        memo_key = (text, following[:1])
+        ids = self._prefix_memo.get(memo_key)
+        if ids is None:
+            out = self._encode_before(text, following)
+            tok = self.tokenizer
+            bos = getattr(tok, "bos_token", None)
+            if bos and getattr(tok, "add_bos_token", False) and not text.startswith(bos):
+                out = [tok.bos_token_id] + out
+            if len(self._prefix_memo) >= 64:
+                self._prefix_memo.clear()
+            ids = self._prefix_memo[memo_key] = tuple(out)
+        return list(ids)
+
+    def _tail_ids(self, pieces: Sequence[str]) -> list[int]:
+        """The pieces after the chunks, each tokenised on its own (before the next one's first character)."""
+        return [t for i, piece in enumerate(pieces) for t in self._encode_before(piece, pieces[i + 1] if i + 1 < len(pieces) else "")]
 
     # -- segments -------------------------------------------------------------------------
     def chunk_text(self, chunk: Chunk) -> str:
-        template = self.chunk_template if chunk.title else self.untitled_chunk_template
-        return template.format(title=chunk.title, text=chunk.text)
+        if chunk.title:
+            return self.options.chunk_template.format(title=chunk.title, text=chunk.text)
+        return self.options.untitled.format(text=chunk.text)
 
     def header_lines(self, chunks: Sequence[Chunk]) -> set[str]:
         """The lines the chunk template puts above each chunk's text ("Document: eiffel"): a model
@@ -166,7 +192,7 @@ class PromptLayout:
         mark = "\x00KVRAG_TEXT\x00"
         lines = set()
         for c in chunks:
-            head = (self.chunk_template if c.title else self.untitled_chunk_template).format(title=c.title, text=mark).split(mark, 1)[0]
+            head = (self.options.chunk_template.format(title=c.title, text=mark) if c.title else self.options.untitled.format(text=mark)).split(mark, 1)[0]
             if head.endswith("\n"):
                 line = head.strip().splitlines()[-1].strip() if head.strip() else ""
                 if line:
@@ -179,7 +205,7 @@ class PromptLayout:
         text = self.chunk_text(chunk)
         ids = self._chunk_ids_memo.get(text)
         if ids is None:
-            ids = tuple(self._encode_before(text, self.question_template))
+            ids = tuple(self._encode_before(text, self._chunk_follower))
             if memo:
                 if len(self._chunk_ids_memo) >= 8192:
                     self._chunk_ids_memo.clear()
@@ -187,7 +213,8 @@ class PromptLayout:
         return list(ids)
 
     def question_ids(self, question: str) -> list[int]:
-        return self._encode(self.question_template.format(question=question)) + self.suffix_ids
+        """Everything after the chunks of a one-question prompt: the question, in its template, and the template's text around it."""
+        return self._tail_ids([p.replace(_Q, question) for p in self._single])
 
     def segments(self, chunk_ids: Sequence[list[int]], question: str, links: int = 0) -> Segments:
         """The prompt's segments; `links` KVLink link slots after every chunk (never part of a cache key)."""
@@ -199,9 +226,9 @@ class PromptLayout:
     def conversation_segments(
         self, chunk_ids: Sequence[list[int]], conv: Conversation, links: int = 0, documents: bool = True
     ) -> Segments:
-        """The segments of a conversation: the chat template over the engine's instruction and the
-        caller's system text (the prefix), the chunks at the head of the first user turn, then every
-        turn after them to the generation prompt (the "question" segment: read exactly, like a
+        """The segments of a conversation: the chat template over the layout's messages (`conversation_messages`):
+        everything before the chunks is the prefix (read exactly, computed once per distinct prefix),
+        everything after them to the generation prompt the "question" segment (read exactly, like a
         question). One user message and no system text is `segments(...)`, token for token.
 
         `documents=False` (plain chat, no chunks): the caller's messages alone through the template,
@@ -210,13 +237,9 @@ class PromptLayout:
         if documents and conv.is_single:
             return self.segments(chunk_ids, conv.question, links)
         prefix_text, pieces = self._render(conv, documents)
-        prefix = self._prefix_memo.get(prefix_text)
-        if prefix is None:
-            if len(self._prefix_memo) >= 64:
-                self._prefix_memo.clear()
-            prefix = self._prefix_memo[prefix_text] = tuple(self._prefix_ids(prefix_text))
-        tail = [t for i, piece in enumerate(pieces) for t in self._encode_before(piece, pieces[i + 1] if i + 1 < len(pieces) else "")]
-        prefix_ids = list(prefix)
+        following = self._chunk_head if chunk_ids else (pieces[0] if pieces else "")
+        prefix_ids = self._prefix_ids(prefix_text, following)
+        tail = self._tail_ids(pieces)
         if not prefix_ids:  # a template that renders nothing before the first message: its first token leads
             prefix_ids, tail = tail[:1], tail[1:]
         return Segments(prefix=prefix_ids, chunks=[list(c) for c in chunk_ids], question=tail, links=int(links))
@@ -224,22 +247,35 @@ class PromptLayout:
     def conversation_messages(self, chunks: Sequence[Chunk], conv: Conversation, documents: bool = True) -> list[dict[str, str]]:
         """The conversation as chat-template messages with the chunk texts inline: what Full
         Attention over it reads (`tokenizer.apply_chat_template(these, add_generation_prompt=True)`)."""
-        messages = self._messages(conv, documents, "".join(self.chunk_text(c) for c in chunks), mark=False)
-        return messages
+        return self._messages(conv, documents, "".join(self.chunk_text(c) for c in chunks), mark=False)
 
     def _messages(self, conv: Conversation, documents: bool, context: str, mark: bool) -> list[dict[str, str]]:
         wrap = (lambda t: _OPEN + t + _CLOSE) if mark else (lambda t: t)
-        system = self.system_prompt + ("\n\n" + conv.system if conv.system else "") if documents else conv.system
-        messages = [{"role": "system", "content": system}] if system else []
-        first = True
-        for role, text in conv.turns:
-            if role == "user":
-                body = wrap(self.question_template.format(question=text) if documents else text)
-                messages.append({"role": "user", "content": (context if first else "") + body})
-                first = False
-            else:
-                messages.append({"role": "assistant", "content": wrap(text)})
-        return messages
+        o = self.options
+        if not documents:  # the caller's messages as they are (the context marker, empty, marks where the turns begin)
+            messages = [{"role": "system", "content": conv.system}] if conv.system else []
+            first = True
+            for role, text in conv.turns:
+                messages.append({"role": role, "content": (context if first and role == "user" else "") + wrap(text)})
+                first = first and role != "user"
+            return messages
+        docs = context + o.documents_end
+        turns = [{"role": role, "content": wrap(o.question_template.format(question=text) if role == "user" else text)}
+                 for role, text in conv.turns]
+        if o.place == "system":
+            system = (o.instruction + "\n\n" if o.instruction else "") + docs
+            if conv.system:
+                ends = o.documents_end or o.untitled
+                system += ("" if ends[-1:].isspace() else "\n\n") + wrap(conv.system)
+            return [{"role": "system", "content": system}, *turns]
+        system = o.instruction + ("\n\n" + conv.system if conv.system and o.instruction else conv.system)
+        head = [{"role": "system", "content": system}] if system else []
+        if o.place == "user":
+            first = next(i for i, t in enumerate(turns) if t["role"] == "user")
+            turns[first] = {"role": "user", "content": docs + turns[first]["content"]}
+            return head + turns
+        at = 0 if o.history == "after" else len(turns) - 1
+        return head + turns[:at] + [{"role": "user", "content": docs}] + turns[at:]
 
     def _render(self, conv: Conversation, documents: bool) -> tuple[str, list[str]]:
         """(prefix text, the pieces after the chunks): template text and each message's own text
@@ -260,10 +296,11 @@ class PromptLayout:
                 text = tok.apply_chat_template(rest, tokenize=False, add_generation_prompt=True)
             if _CTX in text:
                 prefix, rest_text = text.split(_CTX, 1)
+                prefix = prefix.replace(_OPEN, "").replace(_CLOSE, "")
                 return prefix, [p for p in re.split(f"{re.escape(_OPEN)}|{re.escape(_CLOSE)}", rest_text) if p]
-        # No chat template: a plain instruction layout (as `_split_template`'s).
+        # No chat template: a plain instruction layout (the documents after the instruction, wherever `place` says).
         system = self.system_prompt + ("\n\n" + conv.system if conv.system else "") if documents else conv.system
-        pieces: list[str] = []
+        pieces: list[str] = [self.options.documents_end] if documents else []
         for role, text in conv.turns:
             if role == "user":
                 pieces += [self.question_template.format(question=text) if documents else text, "\nAnswer:"]
@@ -271,14 +308,71 @@ class PromptLayout:
                 pieces += [" ", text, "\n\n"]
         return (f"{system}\n\n" if system else ""), [p for p in pieces if p]
 
+    def _check_full(self) -> None:
+        """Refuse a layout whose segments would not be the chat template's rendering token for token
+        (Full Attention reads the segments): trailing whitespace in a chunk template that the tokenizer
+        splits differently at the end of the documents' message than before the next document."""
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return
+        chunks = [Chunk("probe-a", "Alpha beta gamma.", title="Probe"), Chunk("probe-b", "Delta epsilon.")]
+        ids = [self.chunk_ids(c, memo=False) for c in chunks]
+        one = Conversation.ask("What is alpha?")
+        two = Conversation.of([("system", "Be brief."), ("user", "What is alpha?"), ("assistant", "Beta."), ("user", "And delta?")])
+        for conv in (one, two):
+            try:
+                out = tok.apply_chat_template(self.conversation_messages(chunks, conv), tokenize=True, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 (a template that refuses these messages: nothing to compare with)
+                return
+            ref = list(out["input_ids"] if hasattr(out, "keys") else out)
+            if self.conversation_segments(ids, conv).all_ids() != ref:
+                raise ValueError(
+                    "this layout's segments do not read as the chat template renders the same messages (Full Attention must, "
+                    "token for token): a chunk template's trailing whitespace splits differently at the end of the documents' "
+                    f"message (place={self.options.place!r}); end chunk_template with a single newline, or set documents_end "
+                    "to text that follows the documents")
+
     def prompt_text(self, chunks: Sequence[Chunk], question: str) -> str:
         """The prompt as one string (what a plain LLM call would see), for display and debugging."""
-        body = "".join(self.chunk_text(c) for c in chunks)
-        return self.prefix_text + body + self.question_template.format(question=question) + self.suffix_text
+        conv = Conversation.ask(question)
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                return self.tokenizer.apply_chat_template(self.conversation_messages(chunks, conv), tokenize=False, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 (templates that reject a system role: the segments' own text)
+                pass
+        return self.tokenizer.decode(self.segments([self.chunk_ids(c, memo=False) for c in chunks], question).read_ids())
 
     @property
     def identity(self) -> str:
-        """Hash of everything that shapes cached KV besides the chunk itself: layout version and prefix ids."""
-        h = hashlib.sha256(f"layout-v{LAYOUT_VERSION}:".encode())
+        """Hash of everything that shapes cached KV besides the chunk itself: layout version and prefix ids
+        (a chunk's own ids, template included, are in its key beside this)."""
+        return self.identity_at(LAYOUT_VERSION)
+
+    def identity_at(self, version: str) -> str:
+        h = hashlib.sha256(f"layout-v{version}:".encode())
         h.update(",".join(map(str, self.prefix_ids)).encode())
         return h.hexdigest()[:32]
+
+    @property
+    def adapter_identities(self) -> dict[str, str]:
+        """This layout's identity under each layout version whose segments this code builds token for token
+        as it does (`SAME_SEGMENTS`): a link adapter trained under any of them fits a layout with its identity."""
+        return {v: self.identity_at(v) for v in SAME_SEGMENTS}
+
+
+def make_layout(tokenizer: Any, layout: "PromptLayout | LayoutOptions | dict | str | None" = None, **changes: Any) -> PromptLayout:
+    """The engine's layout from what a user gives (a PromptLayout as it is; anything `LayoutOptions.of` reads;
+    `changes`: single fields by their keyword names, `system_prompt` the instruction)."""
+    if isinstance(layout, PromptLayout):
+        if changes:
+            raise ValueError(f"pass layout options in the layout, not beside a ready PromptLayout: {', '.join(changes)}")
+        return layout
+    return PromptLayout(tokenizer, layout, **changes)
+
+
+def _special_texts(tokenizer: Any) -> set[str]:
+    """The texts the tokenizer splits off before anything else (special and added tokens)."""
+    out = {str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out |= {str(getattr(t, "content", t)) for t in added.values()}
+    return {t for t in out if t}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvrag.kv.layout_options import LayoutOptions
 
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -53,6 +56,9 @@ class ServerSettings:
     # append "Sources: [1] <title> (<file>)" to answers the server retrieved for (kvrag.server.cite), for clients
     # that show only the text; a request's `"kvrag": {"cite": ...}` overrides it. Off: answers are what the model said
     cite_sources: bool = False
+    # the prompt layout (kvrag.kv.layout_options): a preset name, JSON text, a JSON file, a dict or LayoutOptions;
+    # None: the default. Checked when the settings are made, so a bad layout stops the start before the model loads
+    layout: Any = None
     # API keys (kvrag.server.auth): none, no authentication; else every route but /health needs
     # `Authorization: Bearer <key>`. api_keys may read and write (POST/DELETE /v1/chunks), read_keys only
     # read (chat, models, metrics). Never shown: not in repr, logs or errors.
@@ -73,8 +79,13 @@ class ServerSettings:
         for key in (*self.api_keys, *self.read_keys):
             if not key or key != key.strip() or any(ord(ch) < 33 or ord(ch) == 127 for ch in key):
                 raise ValueError("an API key must be non-empty printable text without spaces (it travels in an HTTP header)")
+        LayoutOptions.of(self.layout)  # raises ValueError naming the field
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio}")
+
+    @property
+    def layout_options(self) -> LayoutOptions:
+        return LayoutOptions.of(self.layout)
 
     @property
     def authenticated(self) -> bool:
