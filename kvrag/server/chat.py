@@ -45,6 +45,7 @@ from kvrag.server.schemas import (
     message_texts,
 )
 from kvrag.server.state import ServerState, admit, client_gone, in_thread, pieces_async
+from kvrag.server.tenants import cache_scope, request_salt
 from kvrag.types import AnswerStats
 
 router = APIRouter()
@@ -69,7 +70,7 @@ class Started:
     cite: str = ""  # the sources block to append to the answer's text (kvrag.server.cite), or ""
 
 
-def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
+def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[[], Started]:
     """The engine call that prefills this request (run later, in a worker thread, holding a slot).
 
     The whole conversation reaches the model in every mode: the client's system messages (after the
@@ -79,10 +80,12 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     title and text count. The tokenizer runs in that thread too, next to the engine's own
     tokenisation, never on the event loop. Inline chunks (`kvrag.chunks`) belong to this request
     alone (`request_scoped_chunks`): answered from, KV cached by content, never bound to their ids.
+    `scope`: the caller's cache scope (kvrag.server.tenants): its prefix cache entries, inline chunks'
+    KV and system prefixes are its own; retrieved and by-id chunks (the corpus) are shared.
     """
     check_model(req.model, state.model_name, state.settings)
     check_supported(req)
-    opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts)
+    opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts, cache_salt=scope)
     rag, settings, ctx = state.rag, state.settings, req.kvrag
     try:
         conv = conversation_of(req.messages)
@@ -97,7 +100,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
 
         def start() -> Started:
             check_token_count(state.count_tokens(texts), settings)
-            with request_scoped_chunks(), removed_ids_by(state.removed_ids):  # an id deleted through any replica: 400
+            with request_scoped_chunks(scope), removed_ids_by(state.removed_ids):  # an id deleted through any replica: 400
                 return Started(rag.stream_chat(conv, ctx.chunk_ids, chunks=chunks, options=opts))
 
         return start
@@ -108,7 +111,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     def start_plain() -> Started:
         check_token_count(state.count_tokens(texts), settings)  # every message, as the engine reads them
         found = retrieve() if retrieve is not None else None
-        with request_scoped_chunks():
+        with request_scoped_chunks(scope, corpus=True):  # retrieved: the corpus's shared KV
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
                 sources = [source_of(c) for c in found]
                 return Started(rag.stream_chat(conv, chunks=found, options=opts), sources, sources_block(sources) if cite else "")
@@ -249,7 +252,8 @@ async def _events(state: ServerState, started: Started, finish: _Finish, req_id:
 async def chat_completions(req: ChatRequest, request: Request) -> Any:
     state: ServerState = request.app.state.kvrag
     try:
-        start = _starter(state, req)  # 400s (and 404 model_not_found) here, before queueing
+        scope = cache_scope(request.state, state.settings, request_salt(req.cache_salt, req.kvrag and req.kvrag.cache_salt))
+        start = _starter(state, req, scope)  # 400s (and 404 model_not_found) here, before queueing
     except Exception as exc:
         raise as_api_error(exc) from None
     max_new = req.max_completion_tokens or req.max_tokens or state.settings.max_new_tokens

@@ -21,6 +21,8 @@ from kvrag.server.settings import ServerSettings
 from kvrag.types import Chunk
 
 _RESERVED = {*OPTION_KEYS, "options", *DECODE_KEYS}
+CACHE_SALT_HELP = ("scopes what this request reads from and leaves in the server's caches (the exact prefix cache, its inline "
+                   "chunks' KV): only requests with the same salt and API key share them (kvrag.server.tenants)")
 MODEL_ALIAS = "kvrag"  # the name every kvrag client sends; always accepted besides the served model's own
 INT64 = 2**63
 
@@ -94,6 +96,7 @@ class KVRagContext(BaseModel):
                                                        "the answer's text (default: the server's --cite-sources, off)")
     prefix_cache: bool | None = Field(default=None, description="false: neither read this request's start from the exact "
                                                                 "prefix cache nor keep its KV there (default: on)")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024, description=CACHE_SALT_HELP)
 
     @property
     def has_context(self) -> bool:
@@ -120,6 +123,7 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-INT64, le=INT64 - 1)  # OpenAI's: a 64-bit integer
     stream: bool = False
     kvrag: KVRagContext | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024, description=CACHE_SALT_HELP)  # vLLM's field
     # asked of OpenAI, not done here: a 400 `unsupported` unless the value asks for nothing (see check_supported)
     n: Any = None
     tools: Any = None
@@ -214,12 +218,13 @@ class IngestRequest(BaseModel):
     replace: bool = False
 
 
-def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str, model: Model | None = None) -> AnswerOptions:
+def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str, model: Model | None = None,
+                   cache_salt: str = "") -> AnswerOptions:
     """The request's options over the server's defaults; an unknown method or parameter, or a
     parameter's value the served `model` (its layer count, its link adapter) cannot use, is a 400 now,
     before the request waits for a slot. `default_method` is the engine's (KVRag.default_method): a
     request and the settings that name no method are checked against the method that will answer.
-    A parameter given as null is the method's default."""
+    A parameter given as null is the method's default. `cache_salt`: the caller's cache scope (kvrag.server.tenants)."""
     ctx = req.kvrag or KVRagContext()
     clash = sorted(_RESERVED & set(ctx.params))
     if clash:
@@ -237,6 +242,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=req.stop,
         seed=req.seed,
+        cache_salt=cache_salt,
         **params,
     )
     if ctx.kv_kind is not None:

@@ -58,6 +58,10 @@ class ServerSettings:
     # read (chat, models, metrics). Never shown: not in repr, logs or errors.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     read_keys: tuple[str, ...] = field(default=(), repr=False)
+    # what callers share of cached state (kvrag.server.tenants): False (default), each API key is its own
+    # tenant: its exact prefix cache entries, its inline chunks' KV and its system prefixes are read by its
+    # own requests only; True: every key shares them (one trusted tenant, more hits)
+    share_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
