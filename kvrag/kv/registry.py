@@ -19,6 +19,7 @@ from typing import Callable, Collection, Iterable, Iterator, Sequence
 from kvrag.cache_backends import KVEntry
 from kvrag.errors import ChunkNotFoundError, EmptyRetrievalError
 from kvrag.kv.id_index import StoreIdIndex
+from kvrag.kv.recovery import TextRecovery
 from kvrag.kv.kinds import KIND_CHUNK, KIND_SIMILARITY
 from kvrag.kv.salt import salt_context
 from kvrag.types import Chunk
@@ -106,7 +107,7 @@ class Resolved:
     salt: str = ""  # the cache salt its chunks' KV is keyed with (request_scoped_chunks); "": by content alone
 
 
-class ChunkRegistry(StoreIdIndex):
+class ChunkRegistry(StoreIdIndex, TextRecovery):
     """Chunks by id, here and in the store's node-id index (the id half of KVRepository)."""
 
     chunks: dict[str, Chunk]
@@ -287,14 +288,14 @@ class ChunkRegistry(StoreIdIndex):
         from_store = self._entries_by_id([i for i in wanted if i not in local])
         res = Resolved(chunks=[])
         for i, cid in enumerate(chunk_ids):
-            if cid in local:
-                chunk = local[cid]
+            found = local[cid] if cid in local else from_store[cid]
+            if isinstance(found, Chunk):  # known here, or read back from the text source (its entry recomputed)
+                chunk = found
                 ids = self.layout.chunk_ids(chunk)
             else:  # known only to the store: the entry carries the token ids
-                entry = from_store[cid]
-                ids = entry.token_ids.tolist()
+                ids = found.token_ids.tolist()
                 chunk = Chunk(cid, self.lm.tokenizer.decode(ids), metadata={"source": "store"})
-                res.loaded[i] = entry
+                res.loaded[i] = found
             res.chunks.append(chunk)
             res.token_ids.append(ids)
             res.keys.append(self.key(KIND_CHUNK, ids))
@@ -336,8 +337,10 @@ class ChunkRegistry(StoreIdIndex):
         except TypeError:  # another layout: its own chunk_ids
             return self.layout.chunk_ids(chunk)
 
-    def _entries_by_id(self, unknown: list[str]) -> dict[str, KVEntry]:
-        """Entries of ids this process never saw, through the store's node-id index."""
+    def _entries_by_id(self, unknown: list[str]) -> dict[str, KVEntry | Chunk]:
+        """Entries of ids this process never saw, through the store's node-id index. An id linked to an
+        entry that is damaged or gone (a truncated file, an evicted key) is read back from the text
+        source (`_recover`): its chunk, whose entry the request then computes and stores again."""
         if not unknown:
             return {}
         tombstones = self._tombstones
@@ -345,17 +348,30 @@ class ChunkRegistry(StoreIdIndex):
         keys = self.guarded.resolve([f"{self.namespace}/{u}" for u in linkable])
         found = [(u, k) for u, k in zip(linkable, keys) if k]
         entries = self.guarded.get_many([k for _, k in found])
-        out = {}
+        out: dict[str, KVEntry | Chunk] = {}
         for (uid, key), entry in zip(found, entries):
             if entry is None or entry.token_ids is None:
                 continue
             ids = entry.token_ids.reshape(-1).tolist()
             if self.key(KIND_CHUNK, ids) == key and self.valid(entry, KIND_CHUNK, len(ids), ids):  # its tokens hash to its key
                 out[uid] = entry
+        damaged = {u: k for u, k in found if u not in out}
+        out.update(self._recover(damaged))
+        linked = dict(found)
+        out.update(self._recover_unlinked([u for u in linkable if u not in linked]))
         missing = [u for u in unknown if u not in out]
         if missing:
+            lost = [u for u in missing if u in damaged]
+            if lost:
+                raise ChunkNotFoundError(
+                    f"chunk id(s) {lost[:5]} are linked in the KV store but their entry is damaged or gone, and no index "
+                    "holds their text to recompute it: precompute() them again or pass chunks=[Chunk(...)] with their text", ids=missing)
             raise ChunkNotFoundError(f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text", ids=missing)
         return out
+
+    def removed_judge(self) -> RemovedJudge | None:
+        """The judge of removed ids the current block set (`removed_ids_by`), or None."""
+        return _REMOVED_BY.get()
 
     def prefetch_keys(self, chunk_ids: Sequence[str] | None = None, chunks: Sequence[Chunk] | None = None) -> list[str]:
         """Store keys of these chunks (ids unknown here are resolved through the store's index)."""
