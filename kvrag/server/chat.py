@@ -136,6 +136,9 @@ def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Call
     serves the follow-up (kvrag.ingest.follow_up); None for plain chat (retrieval off for the server or the request).
     A request asking for retrieval from a server without an index is a 400."""
     ctx = req.kvrag or KVRagContext()
+    if ctx.top_k is not None and ctx.top_k > state.settings.max_chunks:
+        raise APIError(400, f"kvrag.top_k is {ctx.top_k} but this server retrieves at most {state.settings.max_chunks} chunks "
+                            "for a request (--max-chunks)", "invalid_request", param="kvrag.top_k")
     wanted = state.settings.retrieval if ctx.retrieve is None else ctx.retrieve
     if not wanted:
         return None

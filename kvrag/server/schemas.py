@@ -40,6 +40,25 @@ def id_problem(chunk_id: str) -> str | None:
     return None
 
 
+def text_problem(text: str) -> str | None:
+    """Why a text cannot be read as Unicode (None: it can): a lone surrogate (JSON's "\\ud800" with no
+    partner) is no character, and no tokenizer encodes it."""
+    for i, ch in enumerate(text):
+        if unicodedata.category(ch) == "Cs":
+            return (f"holds a lone surrogate (U+{ord(ch):04X} at character {i}), which is not valid Unicode text and "
+                    "cannot be encoded: send UTF-8 text (a JSON \\ud83d must be followed by its low half)")
+    return None
+
+
+def _checked_text(value: Any) -> Any:
+    """`value` if it is a string that encodes (or no string), else the ValueError a 400 names."""
+    if isinstance(value, str):
+        problem = text_problem(value)
+        if problem:
+            raise ValueError(problem)
+    return value
+
+
 class ChunkIn(BaseModel):
     """A chunk with its text: `{"id", "text", "title"?, "source"?, "source_name"?}`. `source`: the document it
     came from, as `kvrag remove` names it (`kvrag ingest --server` sends the file's path as the command was
@@ -108,6 +127,14 @@ class Message(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _encodable(cls, value: Any) -> Any:
+        """A message the tokenizer cannot encode is the client's 400, said plainly (not the tokenizer's own words)."""
+        for part in value if isinstance(value, list) else [value]:
+            _checked_text(part.get("text") if isinstance(part, dict) else part)
+        return value
+
 
 class ChatRequest(BaseModel):
     """OpenAI's chat completion request (the fields kvrag honours) plus `kvrag`."""
@@ -123,6 +150,14 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-INT64, le=INT64 - 1)  # OpenAI's: a 64-bit integer
     stream: bool = False
     kvrag: KVRagContext | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _encodable_stop(cls, value: Any) -> Any:
+        for stop in [value] if isinstance(value, str) else value or ():
+            _checked_text(stop)
+        return value
+
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024, description=CACHE_SALT_HELP)  # vLLM's field
     # asked of OpenAI, not done here: a 400 `unsupported` unless the value asks for nothing (see check_supported)
     n: Any = None
