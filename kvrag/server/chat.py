@@ -31,6 +31,7 @@ from kvrag.kv.registry import removed_ids_by, request_scoped_chunks
 from kvrag.pipeline import AnswerStream
 from kvrag.server.cite import sources_block, with_sources
 from kvrag.server.errors import APIError, as_api_error, error_body, log
+from kvrag.server.fit import fit_retrieved
 from kvrag.server.gate import Slot
 from kvrag.chat import Conversation
 from kvrag.server.prompt import conversation_of
@@ -68,6 +69,14 @@ class Started:
     stream: AnswerStream
     sources: list[dict[str, Any]] | None = None
     cite: str = ""  # the sources block to append to the answer's text (kvrag.server.cite), or ""
+    dropped: list[dict[str, str]] | None = None  # retrieved chunks not answered from, and why (kvrag.server.fit)
+
+    def extra(self) -> dict[str, Any]:
+        """The kvrag fields of the response: `kvrag_sources` when the server retrieved, `kvrag_dropped` when it skipped any."""
+        out: dict[str, Any] = {} if self.sources is None else {"kvrag_sources": self.sources}
+        if self.dropped:
+            out["kvrag_dropped"] = self.dropped
+        return out
 
 
 def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[[], Started]:
@@ -111,12 +120,15 @@ def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[
     def start_plain() -> Started:
         check_token_count(state.count_tokens(texts), settings)  # every message, as the engine reads them
         found = retrieve() if retrieve is not None else None
+        dropped: list[dict[str, str]] = []
+        if found:  # a bad or oversized entry is skipped, the lowest-ranked dropped until they fit: never a 400
+            found, dropped = fit_retrieved(rag, conv, found, opts, state.model_facts.adapter_link_tokens)
         with request_scoped_chunks(scope, corpus=True):  # retrieved: the corpus's shared KV
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
                 sources = [source_of(c) for c in found]
-                return Started(rag.stream_chat(conv, chunks=found, options=opts), sources, sources_block(sources) if cite else "")
+                return Started(rag.stream_chat(conv, chunks=found, options=opts), sources, sources_block(sources) if cite else "", dropped)
             # plain chat through the model's chat template; known chunks a client pasted into its messages are reused
-            return Started(rag.complete_chat(conv, options=opts), None if found is None else [])
+            return Started(rag.complete_chat(conv, options=opts), None if found is None else [], dropped=dropped)
 
     return start_plain
 
@@ -136,9 +148,6 @@ def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Call
     serves the follow-up (kvrag.ingest.follow_up); None for plain chat (retrieval off for the server or the request).
     A request asking for retrieval from a server without an index is a 400."""
     ctx = req.kvrag or KVRagContext()
-    if ctx.top_k is not None and ctx.top_k > state.settings.max_chunks:
-        raise APIError(400, f"kvrag.top_k is {ctx.top_k} but this server retrieves at most {state.settings.max_chunks} chunks "
-                            "for a request (--max-chunks)", "invalid_request", param="kvrag.top_k")
     wanted = state.settings.retrieval if ctx.retrieve is None else ctx.retrieve
     if not wanted:
         return None
@@ -147,13 +156,13 @@ def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Call
             raise APIError(400, "this server has no retrieval index (started with --no-retrieval): send kvrag.chunk_ids or "
                                 "kvrag.chunks with the request", "no_retrieval_index", param="kvrag.retrieve")
         return None
-    k = min(ctx.top_k or state.settings.top_k, state.settings.max_chunks)
+    k = min(ctx.top_k or state.settings.top_k, state.settings.max_chunks)  # capped: a request reads at most max_chunks
     index, turns = state.index, state.settings.retrieval_turns
     return lambda: conversation_chunks(index, conv, k=k, turns=turns)
 
 
 def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerStats, max_new: int,
-                sources: list[dict[str, Any]] | None) -> dict[str, Any]:
+                extra: dict[str, Any]) -> dict[str, Any]:
     out = {
         "id": req_id,
         "object": "chat.completion",
@@ -162,9 +171,8 @@ def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerS
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish_reason(stats, max_new), "logprobs": None}],
         "usage": _usage(stats),
         "kvrag_stats": stats.as_dict(),
+        **extra,
     }
-    if sources is not None:
-        out["kvrag_sources"] = sources
     return out
 
 
@@ -221,7 +229,7 @@ async def _events(state: ServerState, started: Started, finish: _Finish, req_id:
     client disconnects, the server cancels the body and the next request starts (after at most one
     more token)."""
     model, stream = state.model_name, started.stream
-    sources = {} if started.sources is None else {"kvrag_sources": started.sources}
+    sources = started.extra()  # kvrag_sources (and kvrag_dropped) in the first and the last chunk
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -290,7 +298,7 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
         slot.release()
         state.metrics.observe_answer(stream.stats)
     answer = with_sources(text.strip(), started.cite)
-    return JSONResponse(_completion(req_id, created, state.model_name, answer, stream.stats, max_new, started.sources),
+    return JSONResponse(_completion(req_id, created, state.model_name, answer, stream.stats, max_new, started.extra()),
                         headers=_source_headers(started.sources))
 
 

@@ -110,7 +110,8 @@ class KVRagContext(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
     retrieve: bool | None = Field(default=None, description="without chunk_ids/chunks: retrieve from the server's index "
                                                            "(default: the server's setting), or false for plain chat")
-    top_k: int | None = Field(default=None, ge=1, description="chunks retrieved (default: the server's --top-k)")
+    top_k: int | None = Field(default=None, ge=1, le=10_000, description="chunks retrieved, at most the server's --max-chunks "
+                                                                          "(default: the server's --top-k)")
     cite: bool | None = Field(default=None, description="append 'Sources: [1] <title> (<file>)' for the retrieved chunks to "
                                                        "the answer's text (default: the server's --cite-sources, off)")
     prefix_cache: bool | None = Field(default=None, description="false: neither read this request's start from the exact "
