@@ -7,6 +7,7 @@ itself drives one to measure a model, and `KVRag` (kvrag.engine) adds both on to
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -28,6 +29,23 @@ from kvrag.model.rope import Rotary
 from kvrag.fuse.stitch import Stitched
 from kvrag.kv.layout import Segments
 from kvrag.types import Answer, Chunk
+
+log = logging.getLogger(__name__)
+
+
+def default_index_texts(ids: Sequence[str]) -> list[Chunk]:
+    """Chunks by id from the index `kvrag ingest` fills by default ($KVRAG_HOME/chroma); [] when there
+    is none or it cannot be read (a lost entry is then ChunkNotFoundError, as it was)."""
+    from kvrag.ingest.retrieval import ChunkIndex, indexed_count
+
+    path = kvrag_home() / "chroma"
+    try:
+        if not indexed_count(path):
+            return []
+        return ChunkIndex(path).get(ids)
+    except Exception as exc:  # noqa: BLE001 (a fallback: its failure leaves the id not found, never another error)
+        log.warning("could not read chunk texts from the index %s: %s", path, exc)
+        return []
 
 
 class KVRagCore:
@@ -56,6 +74,16 @@ class KVRagCore:
         self.repo = KVRepository(lm, self.store, self.layout, self.computer, batch_size)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.pipeline = RequestPipeline(self.repo, self.rotary, lambda: self.link_adapter, self.prefix_cache)
+        self.repo.text_source = default_index_texts
+
+    def recover_from(self, index: Any) -> None:
+        """Where the text of a chunk id whose KV entry is damaged or gone (a truncated file, a Redis that
+        evicted it) is read back, so the answer by id still comes (its KV recomputed and stored again, the
+        log naming the entry): `index`, a ChunkIndex holding the same chunks (or any callable from ids to
+        chunks); None: nowhere (ChunkNotFoundError). Default: the index `kvrag ingest` fills under
+        $KVRAG_HOME/chroma, when there is one. A text is taken only when it hashes to the entry the store
+        links the id to."""
+        self.repo.text_source = None if index is None else getattr(index, "get", index)
 
     @property
     def link_adapter(self) -> Any:

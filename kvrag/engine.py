@@ -216,8 +216,8 @@ class _AdapterPath(KVRagCore):
 
     def rekey(self, resolved: Resolved) -> Resolved:
         """The base path's resolved chunks (ids looked up there, token ids known) keyed for these weights."""
-        return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.key(KIND_CHUNK, ids) for ids in resolved.token_ids],
-                        whole=resolved.whole)
+        return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.chunk_key(ids, resolved.salt) for ids in resolved.token_ids],
+                        whole=resolved.whole, salt=resolved.salt)
 
 
 def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layout: PromptLayout) -> LinkAdapter | None:

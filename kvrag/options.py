@@ -17,9 +17,11 @@ from kvrag.types import Chunk
 if TYPE_CHECKING:
     from kvrag.kv.registry import Resolved
 
+from kvrag.kv.salt import salt_digest
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
-OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context", "records_whole", "prefix_cache")  # AnswerOptions' own keyword fields
+OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context", "records_whole", "prefix_cache",
+               "cache_salt")  # AnswerOptions' own keyword fields
 DECODE_KEYS = tuple(f.name for f in dataclasses.fields(DecodeConfig))  # the decode settings, as keywords
 
 from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
@@ -77,6 +79,9 @@ class AnswerOptions:
     short_context: int | None = None  # chunk tokens up to which the prompt is read with Full Attention; None: the default
     records_whole: bool | None = None  # chunks that are records of one kind read with Full Attention; None: the default
     prefix_cache: bool = True  # read a prompt's start from the exact prefix cache (an earlier turn) and keep this turn's KV there
+    # the exact prefix cache's scope: a turn kept under one salt is read only by requests with the same salt
+    # (a tenant of a shared server: kvrag.server.tenants); "": the unsalted scope, as every caller of one engine shares it
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         for name in ("min_recompute", "short_context"):
@@ -85,6 +90,8 @@ class AnswerOptions:
                 raise ValueError(f"{name} must be a whole number of tokens >= 0, got {value!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
         if self.records_whole is not None and not isinstance(self.records_whole, bool):
             raise ValueError(f"records_whole must be True, False or None, got {self.records_whole!r}")
         ratio = self.recompute_ratio
@@ -168,14 +175,17 @@ class AnswerOptions:
         """How this request's KV is computed, as the exact prefix cache keys it (kvrag.kv.prefix_cache):
         "exact" for Full Attention (or a context read whole), else the method and every setting that
         shapes its KV; None when the request neither reads nor keeps prefixes (turned off, or SnapKV
-        eviction, which leaves no full cache to keep)."""
+        eviction, which leaves no full cache to keep). A `cache_salt` is part of it (hashed, never
+        kept as given): entries are read only under the salt they were kept with."""
         if not self.prefix_cache or self.evict is not None:
             return None
         if exact:
-            return "exact"
-        method = self.method if isinstance(self.method, str) or self.method is None else repr(self.method)
-        params = sorted((str(k), repr(v)) for k, v in dict(self.method_params).items())
-        return repr((method, repr(self.recompute_ratio), self.kv_kind, params, self.min_recompute_tokens()))
+            signature = "exact"
+        else:
+            method = self.method if isinstance(self.method, str) or self.method is None else repr(self.method)
+            params = sorted((str(k), repr(v)) for k, v in dict(self.method_params).items())
+            signature = repr((method, repr(self.recompute_ratio), self.kv_kind, params, self.min_recompute_tokens()))
+        return signature if not self.cache_salt else f"{signature}|salt={salt_digest(self.cache_salt)}"
 
     def with_default_method(self, method: str) -> "AnswerOptions":
         """These options, with `method` where they name none (what the engine does on every request)."""

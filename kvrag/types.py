@@ -120,8 +120,13 @@ class AnswerStats:
         return f"{how} | chunk KV hits {self.cache_hits}, misses {self.cache_misses} | TTFT {self.ttft_s * 1000:.0f} ms"
 
     def summary(self) -> str:
+        """The stats in one line of name=value; a context read whole by policy says so first
+        (`read_whole="560 chunk tokens <= short_context=768"`), as `reading()` and the CLI do, so
+        `hits=0 misses=0` is never left to explain itself."""
+        whole = self.full_reason.split(": answered with Full Attention")[0] if self.full_reason else ""
         return (
-            f"method={self.method} ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} "
+            f"method={self.method} " + (f'read_whole="{whole}" ' if whole else "")
+            + f"ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} "
             f"recomputed={self.recomputed_tokens} chunk_prefill={self.chunk_prefill_tokens} "
             f"hits={self.cache_hits} misses={self.cache_misses} loaded={self.bytes_loaded / 1e6:.1f}MB "
             f"kept={self.kept_kv_ratio:.2f} kv={self.kv_bytes / 1e6:.1f}MB decode={self.decode_tokens_per_s:.1f}tok/s"

@@ -107,7 +107,7 @@ def test_keys_never_show_in_settings_logs_or_startup_notes(live, caplog):
 
 
 def test_binding_another_interface_without_a_key_warns_what_anyone_can_do():
-    [note] = startup_notes(ServerSettings(host="0.0.0.0"))
+    [note] = startup_notes(ServerSettings(host="0.0.0.0", allow_no_auth=True))  # refused without --allow-no-auth
     assert "NO API key" in note and "anyone" in note and "delete" in note and "--api-key" in note
     assert startup_notes(ServerSettings()) == []  # loopback, no keys: nothing to say
     assert "NO API key" not in " ".join(startup_notes(ServerSettings(host="0.0.0.0", read_keys=("k",))))

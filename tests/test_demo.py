@@ -205,8 +205,8 @@ def test_app_starts_with_the_sample_corpus(app, kvrag_home):
     sample = demo_app.sample_questions()[0]["question"]
     assert sample in app.chat_input(key="question").proto.placeholder  # the sample question is offered
     assert app.button(key="suggestion").label.endswith(sample)
-    assert (kvrag_home / "demo" / "chroma").is_dir() and (kvrag_home / "demo" / "kv").is_dir()
-    assert any("disk://" in c.value and "demo" in c.value for c in app.sidebar.code)
+    assert (kvrag_home / "chroma").is_dir() and (kvrag_home / "kv").is_dir()  # the index and store `kvrag ingest` fills
+    assert any(c.value.startswith(f"disk://{(kvrag_home / 'kv').resolve()}") for c in app.sidebar.code)
 
 
 @pytest.mark.smollm

@@ -385,7 +385,7 @@ def test_serve_parser_defaults_and_help(capsys):
     add_serve_parser(parser.add_subparsers(dest="command"))
     settings = settings_from_args(parser.parse_args(["serve"]))
     assert settings.host == "127.0.0.1" and settings.port == 8600 and settings.max_concurrency == 8 and settings.max_queue == 16
-    assert settings_from_args(parser.parse_args(["serve", "--host", "0.0.0.0", "--max-queue", "4"])).max_queue == 4
+    assert settings_from_args(parser.parse_args(["serve", "--host", "0.0.0.0", "--allow-no-auth", "--max-queue", "4"])).max_queue == 4
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--help"])
     out = capsys.readouterr().out
@@ -400,7 +400,7 @@ def test_non_loopback_bind_warns_about_authentication(rag, monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(runner, "run_beside_home", lambda server: calls.append(server.config))
-    runner.serve(ServerSettings(host="0.0.0.0", port=9), rag=rag)
+    runner.serve(ServerSettings(host="0.0.0.0", port=9, allow_no_auth=True), rag=rag)  # refused without it
     assert calls and calls[0].host == "0.0.0.0"
     assert "NO API key" in capsys.readouterr().err
     runner.serve(ServerSettings(), rag=rag)

@@ -131,7 +131,7 @@ def remove(admin: StoreAdmin, keys: Sequence[str] = (), ids: Sequence[str] = (),
 
 
 def gc(admin: StoreAdmin, dry_run: bool = False, min_age_s: float = STALE_TEMP_S, verify: bool = True,
-       unverified: bool = False) -> dict[str, Any]:
+       unverified: bool = False, include_foreign: bool = False) -> dict[str, Any]:
     """Delete (or, dry run, list) what no reader can use: temp files / orphan parts older than
     `min_age_s` (dead writers), entries of an older format or failing their checksum (`verify`:
     every entry is read whole; otherwise only headers), index links whose entry is gone (links
@@ -140,7 +140,9 @@ def gc(admin: StoreAdmin, dry_run: bool = False, min_age_s: float = STALE_TEMP_S
     device, an oversized file, a symlinked shard folder: the link, never its target).
 
     With a store key, entries and refs the key cannot verify but whose checksum is sound (written
-    without the key, or with another) are someone's data: listed, and deleted only with `unverified`."""
+    without the key, or with another) are someone's data: listed, and deleted only with `unverified`;
+    those signed with another key (a replica with its own key: genuine data) only with `include_foreign`
+    too, as `kvrag store sign` re-signs them."""
     temps = [t for t in admin.temp_files() if t.age_s >= min_age_s]
     infos = list(admin.entries())
     bad: list[dict[str, Any]] = []
@@ -148,14 +150,15 @@ def gc(admin: StoreAdmin, dry_run: bool = False, min_age_s: float = STALE_TEMP_S
     for e in infos:
         problem = e.problem or (admin.verify(e.key) if verify else None)
         if problem and problem.startswith("unverified"):
-            (bad if unverified else kept).append({"key": e.key, "bytes": e.nbytes, "problem": problem})
+            delete = unverified and (include_foreign or "mac" not in e.meta)
+            (bad if delete else kept).append({"key": e.key, "bytes": e.nbytes, "problem": problem})
         elif problem:
             bad.append({"key": e.key, "bytes": e.nbytes, "problem": problem})
     bad_keys = {b["key"] for b in bad}
     links = admin.links()
     dangling = [lk for lk in links
                 if lk.bad or ((lk.age_s is None or lk.age_s >= min_age_s) and (lk.key in bad_keys or not admin.exists(lk.key)))
-                or (unverified and lk.unverified)]  # fmt: skip
+                or (unverified and lk.unverified and (include_foreign or lk.status != "mismatch"))]  # fmt: skip
     gone = {id(lk) for lk in dangling}
     kept_links = [lk for lk in links if lk.unverified and id(lk) not in gone]
     folders = getattr(admin, "foreign_folders", list)()

@@ -69,7 +69,9 @@ def open_engine(args: argparse.Namespace):
     print(f"loading model ({args.model or 'bundled SmolLM2-135M-Instruct'}) ...", file=sys.stderr)
     rag = KVRag.from_pretrained(args.model, store=args.store, device=args.device, link_adapter=args.link_adapter,
                                 decode_weights=getattr(args, "decode_weights", None))
-    return rag, open_index(args)
+    index = open_index(args)
+    rag.recover_from(index)  # a chunk whose KV entry is damaged is recomputed from this index's text
+    return rag, index
 
 
 def open_index(args: argparse.Namespace):

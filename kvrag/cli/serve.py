@@ -78,6 +78,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--prefix-cache-mb", type=int, default=d.prefix_cache_mb,
                    help="MB of finished turns' KV kept in memory so a conversation's next turn reads only its new tokens "
                         "(0: off; default: $KVRAG_PREFIX_CACHE_MB, else 1024)")
+    p.add_argument("--allow-no-auth", action="store_true", default=d.allow_no_auth,
+                   help="serve a --host other than loopback without any API key (refused by default: anyone who reaches "
+                        "it could read and change your chunks)")
+    p.add_argument("--share-prefix-cache", action="store_true", default=d.share_prefix_cache,
+                   help="let every API key read what the others left cached (prefix cache, inline chunks' KV): for one trusted "
+                        "tenant with several keys (default: each key is its own tenant; see docs/server.md, Tenants)")
     p.add_argument("--retrieval-turns", type=int, default=d.retrieval_turns,
                    help="user turns a follow-up retrieves with: its own and the ones before it (1: the last message alone)")
     p.add_argument("--accept-any-model", action="store_true", default=d.accept_any_model,
@@ -114,14 +120,21 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         index=getattr(args, "index", None),
         api_keys=_keys(args.api_keys, "KVRAG_API_KEYS"),
         read_keys=_keys(args.read_keys, "KVRAG_READ_KEYS"),
+        share_prefix_cache=args.share_prefix_cache,
+        allow_no_auth=args.allow_no_auth,
     )
 
 
 def _keys(given: list[str] | None, variable: str) -> tuple[str, ...]:
-    """Keys from the command line, else from `variable` (comma-separated; blanks ignored)."""
+    """Keys from the command line, else from `variable` (comma-separated; blanks between keys ignored).
+    A variable that holds something but no key (`" , "`) is an error: it was meant to turn keys on."""
     if given is not None:
         return tuple(k.strip() for k in given)
-    return tuple(k.strip() for k in os.environ.get(variable, "").split(",") if k.strip())
+    raw = os.environ.get(variable, "")
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if raw.strip() and not keys:
+        raise ValueError(f"${variable} is set ({raw!r}) but holds no key: give comma-separated keys, or unset it")
+    return keys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

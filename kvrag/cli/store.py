@@ -80,8 +80,11 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds: younger temp files (writers still running) and index links are kept")
     g.add_argument("--headers-only", action="store_true", help="skip reading every entry whole to verify its checksum")
     g.add_argument("--unverified", action="store_true",
-                   help="with $KVRAG_STORE_KEY: also delete the sound entries and id links the key cannot verify (written "
-                        "without the key, or with another), which are otherwise kept and listed")
+                   help="with $KVRAG_STORE_KEY: also delete the sound entries and id links written without the key, which "
+                        "are otherwise kept and listed (those signed with another key too only with --include-foreign)")
+    g.add_argument("--include-foreign", action="store_true",
+                   help="with --unverified: also delete entries and id links signed with another key (another replica's "
+                        "genuine data: kept by default)")
 
     sg = sub.add_parser("sign", help="sign with $KVRAG_STORE_KEY a store written without it (entries and id links)",
                         formatter_class=Fmt, epilog="example: KVRAG_STORE_KEY=... kvrag store sign --dry-run")
@@ -197,7 +200,10 @@ def _store_command(args: argparse.Namespace) -> int:
                       "(and their KV, which is then recomputed if asked)", file=sys.stderr)
         return 0 if (res["entries_deleted"] or res["links_removed"]) else 1
     if args.store_command == "gc":
-        res = gc(admin, dry_run=args.dry_run, min_age_s=args.min_age, verify=not args.headers_only, unverified=args.unverified)
+        if args.include_foreign and not args.unverified:
+            raise KVRagError("--include-foreign widens --unverified: give both")
+        res = gc(admin, dry_run=args.dry_run, min_age_s=args.min_age, verify=not args.headers_only, unverified=args.unverified,
+                 include_foreign=args.include_foreign)
         if args.json:
             print(json.dumps(res), file=out)
         else:
@@ -216,7 +222,8 @@ def _store_command(args: argparse.Namespace) -> int:
             if res["unverified_kept"] or res["unverified_links_kept"]:
                 print(f"kept {len(res['unverified_kept'])} entries and {len(res['unverified_links_kept'])} id links the store key "
                       "cannot verify (sound, written without the key or with another): `kvrag store sign` re-signs them, "
-                      "`kvrag store gc --unverified` deletes them", file=out)
+                      "`kvrag store gc --unverified` deletes those written without a key (--include-foreign: with another too)",
+                      file=out)
         return 0
     if args.store_command == "sign":
         from kvrag.cache_backends.admin.signing import sign

@@ -2,9 +2,11 @@
 Attention's answer to the same conversation beside each turn.
 
 Run it with `kvrag demo` (or `streamlit run demos/streamlit_app.py` from a clone, or
-`kvrag.demo.launch.launch()`); both serve 127.0.0.1 only unless told otherwise. On first start it
-indexes the bundled sample corpus and precomputes its KV under `$KVRAG_DEMO_DIR` (default
-`$KVRAG_HOME/demo`); later starts reuse it.
+`kvrag.demo.launch.launch()`); both serve 127.0.0.1 only unless told otherwise. It answers from
+the index and the KV store `kvrag ingest` and `kvrag quickstart` fill (`$KVRAG_HOME/chroma`,
+`$KVRAG_HOME/kv`): what they computed is read, not computed again. Only when that index is empty does
+it ingest the bundled sample corpus there; uploads are kept under `$KVRAG_DEMO_DIR` (default
+`$KVRAG_HOME/demo`).
 
 Each turn retrieves with the conversation's recent questions (`Conversation.retrieval_query`) and
 answers the whole conversation with the chosen method, streamed as plain text, with the exact
@@ -25,6 +27,7 @@ from typing import Any
 import streamlit as st
 
 from kvrag.chat import Conversation
+from kvrag.defaults import kvrag_home
 from kvrag.eval.metrics import agreement, first_token_kl
 from kvrag.ingest.follow_up import keep_order
 from kvrag.options import RATIO_FREE
@@ -104,16 +107,16 @@ def load_engine() -> Any:
 
 
 @st.cache_resource(show_spinner="Opening the vector index ...")
-def open_index(folder: str) -> Any:
-    """The demo's chroma index (one client per folder per process): embedded under `folder`, or the
-    shared one `kvrag demo --index` (or $KVRAG_INDEX) names."""
+def open_index(home: str) -> Any:
+    """The index `kvrag ingest` and the quickstart fill (one client per $KVRAG_HOME per process):
+    embedded under `home`/chroma, or the shared one `kvrag demo --index` (or $KVRAG_INDEX) names."""
     import os
 
     from kvrag.ingest.retrieval import ChunkIndex
 
     if os.environ.get("KVRAG_INDEX"):
-        return ChunkIndex(url=os.environ["KVRAG_INDEX"], collection="kvrag_demo")
-    return ChunkIndex(Path(folder) / "chroma", collection="kvrag_demo")
+        return ChunkIndex(url=os.environ["KVRAG_INDEX"])
+    return ChunkIndex(Path(home) / "chroma")
 
 
 @st.cache_resource(show_spinner="Opening the KV store ...")
@@ -348,7 +351,7 @@ def main() -> None:
     folder = data_dir()
     settings = sidebar_settings(folder)
     rag = open_or_stop(settings)
-    index = open_index(str(folder))
+    index = open_index(str(kvrag_home()))
     ensure_ingested(rag, index, folder, warm_methods=(BASELINE, "reuse", rag.default_method))
 
     st.sidebar.header("Add documents")

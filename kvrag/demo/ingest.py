@@ -128,18 +128,19 @@ def ingest_registry() -> _IngestRegistry:
     return _IngestRegistry()
 
 
-def corpus_chunks(folder: Path, tokenizer: Any) -> list[Chunk]:
-    """The sample corpus and every saved upload, chunked as the demo chunks them."""
+def corpus_chunks(folder: Path, tokenizer: Any, sample: bool = True) -> list[Chunk]:
+    """The sample corpus (`sample`) and every saved upload, chunked as the demo chunks them."""
     from kvrag.ingest.samples import sample_corpus_dir
     from kvrag.ingest.documents import load_documents
 
-    return load_documents([sample_corpus_dir()], max_tokens=CHUNK_TOKENS, tokenizer=tokenizer) + load_uploads(
-        uploads_dir(folder), max_tokens=CHUNK_TOKENS, tokenizer=tokenizer
-    )
+    samples = load_documents([sample_corpus_dir()], max_tokens=CHUNK_TOKENS, tokenizer=tokenizer) if sample else []
+    return samples + load_uploads(uploads_dir(folder), max_tokens=CHUNK_TOKENS, tokenizer=tokenizer)
 
 
 def ensure_ingested(rag: Any, index: Any, folder: Path, warm_methods: Sequence[str]) -> None:
-    """Index and precompute the sample corpus and earlier uploads once per (folder, store).
+    """Index and precompute earlier uploads once per (folder, store), and the sample corpus too when the
+    index is empty: an index `kvrag ingest` or the quickstart filled is answered from as it is (its KV is
+    in their store, which the demo reads), never ingested a second time.
 
     One session does it (with a progress bar); a session that finds it under way does not wait:
     it can answer already (a chunk whose KV is not stored yet is computed when needed)."""
@@ -153,16 +154,18 @@ def ensure_ingested(rag: Any, index: Any, folder: Path, warm_methods: Sequence[s
     try:
         if key in registry.done:
             return
-        chunks = corpus_chunks(folder, rag.lm.tokenizer)
-        with st.status(f"Preparing the sample corpus ({len(chunks)} chunks) ...", expanded=True) as status:
+        held = len(index)
+        chunks = corpus_chunks(folder, rag.lm.tokenizer, sample=held == 0)
+        what = "the sample corpus" if held == 0 else f"the {held} indexed chunks"
+        with st.status(f"Preparing {what} ...", expanded=True) as status:
             bar = st.progress(0.0, text="indexing chunks ...")
             added = index_missing(index, chunks)
             bar.progress(0.0, text=f"indexed {added} new chunks; precomputing KV ...")
             computed = precompute_with_progress(rag, chunks, bar)
             bar.progress(1.0, text="warming up the model ...")
-            warm_up(rag, chunks[:2], warm_methods)
+            warm_up(rag, chunks[:2] or index.query("warm-up", k=2), warm_methods)
             status.update(
-                label=f"Corpus ready: {len(chunks)} chunks ({added} newly indexed, {computed} KV caches computed)",
+                label=f"Corpus ready: {held + added} chunks ({added} newly indexed, {computed} KV caches computed)",
                 state="complete",
                 expanded=False,
             )

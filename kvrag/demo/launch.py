@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["app_path", "launch", "launch_env", "streamlit_command"]
@@ -60,13 +62,46 @@ def launch(
 ) -> int:
     """Run the demo until it exits (Ctrl-C stops it) and return Streamlit's exit code.
 
-    `allow_store_hosts`: hosts besides loopback whose Redis the page may open (`kvrag demo --allow-store-host`)."""
+    SIGTERM or SIGHUP to this process (a service manager stopping it, a closed terminal) stops the Streamlit
+    child too, so it never lives on holding the port. `allow_store_hosts`: hosts besides loopback whose Redis
+    the page may open (`kvrag demo --allow-store-host`)."""
     proc = subprocess.Popen(streamlit_command(port, address, headless, extra), env=launch_env(allow_store_hosts, index=index))
+    restore = _forward_stop_signals(proc)
     try:
         return proc.wait()
     except KeyboardInterrupt:  # Streamlit got the same SIGINT: let it shut down cleanly
-        try:
-            return proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+        return _stopped(proc)
+    finally:
+        restore()
+        if proc.poll() is None:  # whatever ended the wait: never leave the child behind
+            proc.terminate()
+            _stopped(proc)
+
+
+def _stopped(proc: subprocess.Popen, grace_s: float = 10) -> int:
+    """Wait for the child to exit after being told to, then kill it."""
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _forward_stop_signals(proc: subprocess.Popen) -> Callable[[], None]:
+    """Pass SIGTERM and SIGHUP on to `proc` (whose exit then ends `launch`); returns what restores the
+    previous handlers. Only the main thread may set handlers: elsewhere nothing is changed."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def forward(signum: int, frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {sig: signal.signal(sig, forward) for sig in wanted}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore

@@ -1,7 +1,7 @@
 """Where the demo keeps its data and which KV stores the page may open.
 
 The store URL is typed by whoever opens the page, so: disk stores must live inside the demo
-folder, only known schemes are accepted, and a networked store (Redis) must be on a loopback host
+folder or be the store `kvrag ingest` fills (the default), only known schemes are accepted, and a networked store (Redis) must be on a loopback host
 unless the person who launched the demo allowed its host (`KVRAG_DEMO_ALLOW_HOSTS=host1,host2`, or
 `kvrag.demo.launch.launch(allow_store_hosts=[...])`). A failed probe says only that the store could
 not be reached: nothing the server at that address answered is shown.
@@ -32,11 +32,17 @@ def data_dir() -> Path:
     return (Path(raw).expanduser() if raw else kvrag_home() / "demo").resolve()
 
 
+def shared_store_root() -> Path:
+    """The store `kvrag ingest` and `kvrag quickstart` fill ($KVRAG_HOME/kv)."""
+    return (kvrag_home() / "kv").resolve()
+
+
 def default_store_url(folder: Path) -> str:
-    """A disk store inside the demo folder, so the demo never touches the CLI's default store."""
+    """The disk store `kvrag ingest` and the quickstart fill, at the precision they write: the demo answers
+    from the KV they computed rather than computing a copy of its own (`folder` keeps the uploads)."""
     from kvrag.cache_backends import default_disk_url
 
-    return default_disk_url((folder / "kv").resolve())
+    return default_disk_url(shared_store_root())
 
 
 def redact_url(url: str) -> str:
@@ -84,8 +90,9 @@ def check_store_url(url: str, folder: Path) -> None:
         raise ValueError(f"unknown store URL scheme {scheme!r}; use one of {', '.join(s + '://' for s in STORE_SCHEMES)}")
     if scheme == "disk":
         path = Path(parsed.netloc + parsed.path).expanduser().resolve()
-        if not path.is_relative_to(folder.resolve()):
-            raise ValueError(f"a disk store must be inside the demo folder {folder} (set {DEMO_DIR_ENV} to move it)")
+        if not (path.is_relative_to(folder.resolve()) or path.is_relative_to(shared_store_root())):
+            raise ValueError(f"a disk store must be inside the demo folder {folder} (set {DEMO_DIR_ENV} to move it) "
+                             f"or be the store kvrag ingest fills ({shared_store_root()})")
     elif scheme in NETWORK_SCHEMES:
         host = (host or "").lower()
         if not host:

@@ -19,12 +19,20 @@ from typing import Callable, Collection, Iterable, Iterator, Sequence
 from kvrag.cache_backends import KVEntry
 from kvrag.errors import ChunkNotFoundError, EmptyRetrievalError
 from kvrag.kv.id_index import StoreIdIndex
+from kvrag.kv.recovery import TextRecovery
 from kvrag.kv.kinds import KIND_CHUNK, KIND_SIMILARITY
+from kvrag.kv.salt import salt_context
 from kvrag.types import Chunk
 
 log = logging.getLogger(__name__)
 
-_REQUEST_SCOPED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvrag_request_scoped_chunks", default=False)
+@dataclass(frozen=True)
+class _Scope:
+    salt: str = ""  # the caller's cache scope (a tenant's): see request_scoped_chunks
+    corpus: bool = False  # chunks given with text are the deployment's own (retrieved from its index): keyed by content alone
+
+
+_REQUEST_SCOPED: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("kvrag_request_scoped_chunks", default=None)
 RemovedJudge = Callable[[Sequence[str]], Collection[str]]
 _REMOVED_BY: contextvars.ContextVar[RemovedJudge | None] = contextvars.ContextVar("kvrag_removed_by", default=None)
 MAX_TOMBSTONES = 65536  # forgotten ids remembered where the store cannot unlink them (see `ChunkRegistry.unlink`)
@@ -38,7 +46,7 @@ class ForgetReport:
 
 
 @contextlib.contextmanager
-def request_scoped_chunks() -> Iterator[None]:
+def request_scoped_chunks(salt: str = "", corpus: bool = False) -> Iterator[None]:
     """Within this block (this thread or task), chunks passed *with their text* (`chunks=[...]`) are
     answered from but belong to that one call: they are not registered, their ids are not linked in
     the store's node-id index, and a registered chunk with the same id keeps its text. Their KV is
@@ -46,12 +54,24 @@ def request_scoped_chunks() -> Iterator[None]:
 
     The server answers every chat request inside this scope, so one client's inline chunk never
     rebinds an id for the others; only an explicit ingest (`precompute`/`register`) binds ids.
+
+    `salt` (a tenant's cache scope, kvrag.server.tenants): the KV of those chunks is keyed with it
+    too, and so is the memo of system prefixes (`KVRepository.prefix_kv`), so a hit on either (a
+    faster answer, `cache_hits`) only ever tells a caller what callers with the same salt sent.
+    `corpus=True`: the chunks given with text are the deployment's own corpus (what the server
+    retrieved from its index), keyed by content alone and shared, as ids are.
     """
-    token = _REQUEST_SCOPED.set(True)
+    token = _REQUEST_SCOPED.set(_Scope(salt, corpus))
     try:
         yield
     finally:
         _REQUEST_SCOPED.reset(token)
+
+
+def scope_salt() -> str:
+    """The cache salt of the request-scoped block this thread or task is in ("" outside one)."""
+    scope = _REQUEST_SCOPED.get()
+    return scope.salt if scope is not None else ""
 
 
 @contextlib.contextmanager
@@ -84,9 +104,10 @@ class Resolved:
     read_ahead: set[int] = field(default_factory=set)  # of `loaded`: read from the store before the model lock
     read_s: float = 0.0  # time that read took (part of the answer's load time and TTFT)
     whole: str | None = None  # its request's read-whole verdict (AnswerOptions.whole_reason_for), once decided
+    salt: str = ""  # the cache salt its chunks' KV is keyed with (request_scoped_chunks); "": by content alone
 
 
-class ChunkRegistry(StoreIdIndex):
+class ChunkRegistry(StoreIdIndex, TextRecovery):
     """Chunks by id, here and in the store's node-id index (the id half of KVRepository)."""
 
     chunks: dict[str, Chunk]
@@ -227,10 +248,15 @@ class ChunkRegistry(StoreIdIndex):
         the store cannot be read, this process's table answers."""
         return self.lookup([chunk_id], None).chunks[0]
 
-    def resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK, memo: bool = True) -> Resolved:
-        """The chunks' token ids and keys (`memo=False`: token ids not memoised, see `_ids_once`)."""
+    def chunk_key(self, token_ids: Sequence[int], salt: str = "") -> str:
+        """A plain chunk entry's key, salted for a caller's inline chunks (request_scoped_chunks)."""
+        return self.key(KIND_CHUNK, token_ids, salt_context(salt))
+
+    def resolve(self, chunks: Sequence[Chunk], kind: str = KIND_CHUNK, memo: bool = True, salt: str = "") -> Resolved:
+        """The chunks' token ids and keys (`memo=False`: token ids not memoised, see `_ids_once`;
+        `salt`: plain entries keyed with it, see request_scoped_chunks)."""
         ids_of = self.layout.chunk_ids if memo else self._ids_once
-        res = Resolved(chunks=list(chunks))
+        res = Resolved(chunks=list(chunks), salt=salt if kind == KIND_CHUNK else "")
         for c in res.chunks:
             if not isinstance(c.text, str) or not c.text.strip():
                 raise ValueError(f"chunk {c.id!r} has no text: a chunk must hold text to be cached or answered from")
@@ -238,7 +264,7 @@ class ChunkRegistry(StoreIdIndex):
             if not ids:
                 raise ValueError(f"chunk {c.id!r} has no tokens (empty text?): it cannot be cached or answered from")
             res.token_ids.append(ids)
-            res.keys.append(self.key(kind, ids))
+            res.keys.append(self.key(kind, ids, salt_context(res.salt)))
         return res
 
     def lookup(self, chunk_ids: Sequence[str] | None, chunks: Sequence[Chunk] | None, allow_empty: bool = False) -> Resolved:
@@ -249,8 +275,9 @@ class ChunkRegistry(StoreIdIndex):
         Redis, `kvrag ingest` over the same disk store) rebound is answered from the new text's entry,
         and one it removed (as `removed_ids_by` judges) is ChunkNotFoundError, on the very next request."""
         if chunks:
-            if _REQUEST_SCOPED.get():  # see request_scoped_chunks: answered from, never registered
-                return self.resolve(chunks, memo=False)
+            scope = _REQUEST_SCOPED.get()
+            if scope is not None:  # see request_scoped_chunks: answered from, never registered
+                return self.resolve(chunks, memo=False, salt="" if scope.corpus else scope.salt)
             return self.resolve(self.register(chunks, relink=False))
         if not chunk_ids and allow_empty:
             return Resolved(chunks=[])
@@ -261,14 +288,14 @@ class ChunkRegistry(StoreIdIndex):
         from_store = self._entries_by_id([i for i in wanted if i not in local])
         res = Resolved(chunks=[])
         for i, cid in enumerate(chunk_ids):
-            if cid in local:
-                chunk = local[cid]
+            found = local[cid] if cid in local else from_store[cid]
+            if isinstance(found, Chunk):  # known here, or read back from the text source (its entry recomputed)
+                chunk = found
                 ids = self.layout.chunk_ids(chunk)
             else:  # known only to the store: the entry carries the token ids
-                entry = from_store[cid]
-                ids = entry.token_ids.tolist()
+                ids = found.token_ids.tolist()
                 chunk = Chunk(cid, self.lm.tokenizer.decode(ids), metadata={"source": "store"})
-                res.loaded[i] = entry
+                res.loaded[i] = found
             res.chunks.append(chunk)
             res.token_ids.append(ids)
             res.keys.append(self.key(KIND_CHUNK, ids))
@@ -310,8 +337,10 @@ class ChunkRegistry(StoreIdIndex):
         except TypeError:  # another layout: its own chunk_ids
             return self.layout.chunk_ids(chunk)
 
-    def _entries_by_id(self, unknown: list[str]) -> dict[str, KVEntry]:
-        """Entries of ids this process never saw, through the store's node-id index."""
+    def _entries_by_id(self, unknown: list[str]) -> dict[str, KVEntry | Chunk]:
+        """Entries of ids this process never saw, through the store's node-id index. An id linked to an
+        entry that is damaged or gone (a truncated file, an evicted key) is read back from the text
+        source (`_recover`): its chunk, whose entry the request then computes and stores again."""
         if not unknown:
             return {}
         tombstones = self._tombstones
@@ -319,17 +348,30 @@ class ChunkRegistry(StoreIdIndex):
         keys = self.guarded.resolve([f"{self.namespace}/{u}" for u in linkable])
         found = [(u, k) for u, k in zip(linkable, keys) if k]
         entries = self.guarded.get_many([k for _, k in found])
-        out = {}
+        out: dict[str, KVEntry | Chunk] = {}
         for (uid, key), entry in zip(found, entries):
             if entry is None or entry.token_ids is None:
                 continue
             ids = entry.token_ids.reshape(-1).tolist()
             if self.key(KIND_CHUNK, ids) == key and self.valid(entry, KIND_CHUNK, len(ids), ids):  # its tokens hash to its key
                 out[uid] = entry
+        damaged = {u: k for u, k in found if u not in out}
+        out.update(self._recover(damaged))
+        linked = dict(found)
+        out.update(self._recover_unlinked([u for u in linkable if u not in linked]))
         missing = [u for u in unknown if u not in out]
         if missing:
+            lost = [u for u in missing if u in damaged]
+            if lost:
+                raise ChunkNotFoundError(
+                    f"chunk id(s) {lost[:5]} are linked in the KV store but their entry is damaged or gone, and no index "
+                    "holds their text to recompute it: precompute() them again or pass chunks=[Chunk(...)] with their text", ids=missing)
             raise ChunkNotFoundError(f"unknown chunk id(s) {missing[:5]}: precompute() them first or pass chunks=[Chunk(...)] with their text", ids=missing)
         return out
+
+    def removed_judge(self) -> RemovedJudge | None:
+        """The judge of removed ids the current block set (`removed_ids_by`), or None."""
+        return _REMOVED_BY.get()
 
     def prefetch_keys(self, chunk_ids: Sequence[str] | None = None, chunks: Sequence[Chunk] | None = None) -> list[str]:
         """Store keys of these chunks (ids unknown here are resolved through the store's index)."""

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence, Sized
 import torch
 
 from kvrag.cache_backends import FORMAT_VERSION, KVEntry, KVStore, content_key, entry_bytes_bound
-from kvrag.kv.registry import ChunkRegistry, Resolved
+from kvrag.kv.registry import ChunkRegistry, Resolved, scope_salt
 from kvrag.kv.entry_check import all_finite, entry_problem, kv_shape, mark_finite
 from kvrag.errors import ChunkNotFoundError, ContextTooLongError
 from kvrag.cache_backends.format import storage_of
@@ -120,7 +120,7 @@ class KVRepository(ChunkRegistry):
         self.chunks: dict[str, Chunk] = {}
         self.similarity_context: dict[str, str] = {}  # chunk id -> digest of the neighbours its similarity entry was computed after
         self._prefix: LayerStack | None = None
-        self._other_prefixes: dict[tuple[int, ...], LayerStack] = {}
+        self._other_prefixes: dict[tuple[str, tuple[int, ...]], LayerStack] = {}
         self._registry_lock = threading.Lock()
 
     # -- keys and validation ------------------------------------------------------------------
@@ -163,14 +163,15 @@ class KVRepository(ChunkRegistry):
     def prefix_kv(self, ids: Sequence[int] | None = None) -> LayerStack:
         """The system prefix's KV, computed once per (model, system prompt) and kept in the store;
         another prefix (a caller's system message, plain chat's template) is computed once and kept
-        in memory (the last few)."""
+        in memory (the last few), per cache salt (request_scoped_chunks: one tenant's system message
+        never makes another's request faster)."""
         if ids is not None and list(ids) != list(self.layout.prefix_ids):
-            key = tuple(ids)
+            key = (scope_salt(), tuple(ids))
             kv = self._other_prefixes.get(key)
             if kv is None:
                 if len(self._other_prefixes) >= 16:
                     self._other_prefixes.pop(next(iter(self._other_prefixes)))
-                kv = self._other_prefixes[key] = self.computer.prefix_kv(key)
+                kv = self._other_prefixes[key] = self.computer.prefix_kv(key[1])
             return kv
         if self._prefix is None:
             ids = self.layout.prefix_ids
@@ -327,7 +328,10 @@ class KVRepository(ChunkRegistry):
             ids = resolved.token_ids[i]
             meta = self.entry_meta(kind, len(ids))
             entry = KVEntry(k, v, meta=meta, token_ids=torch.tensor(ids, dtype=torch.int64))
-            key = self.similarity_key(resolved.chunks[i], ids) if kind == KIND_SIMILARITY else self.key(kind, ids)
+            if kind == KIND_SIMILARITY:
+                key = self.similarity_key(resolved.chunks[i], ids)
+            else:
+                key = self.chunk_key(ids, resolved.salt) if kind == KIND_CHUNK else self.key(kind, ids)
             if key is not None and not mark_finite(meta, k, v):
                 log.warning("not storing the KV of a %d-token %s: it holds non-finite values", len(ids), kind)
             elif key is not None:
@@ -344,7 +348,7 @@ class KVRepository(ChunkRegistry):
         for i in bad:
             ids = resolved.token_ids[i]
             log.warning("ignoring a %s cache entry (%d tokens): non-finite values; it will be recomputed and replaced", kind, len(ids))
-            keys = {self.key(KIND_CHUNK, ids), self.key(kind, ids) if kind != KIND_SIMILARITY else self.similarity_key(resolved.chunks[i], ids)}
+            keys = {self.chunk_key(ids, resolved.salt), self.key(kind, ids) if kind != KIND_SIMILARITY else self.similarity_key(resolved.chunks[i], ids)}
             for key in filter(None, keys):
                 self.guarded.delete(key)
             resolved.loaded.pop(i, None)
@@ -386,7 +390,7 @@ class KVRepository(ChunkRegistry):
                 todo = [i for i in todo if self.similarity_key(resolved.chunks[i], resolved.token_ids[i]) is not None]
                 keys = [self.similarity_key(resolved.chunks[i], resolved.token_ids[i]) for i in todo]
             else:
-                keys = [self.key(k, resolved.token_ids[i]) for i in todo]
+                keys = [self.chunk_key(resolved.token_ids[i], resolved.salt) for i in todo]
             entries.update(zip(todo, self.guarded.get_many(keys)))  # type: ignore[arg-type]
             for i, e in entries.items():
                 if self.valid(e, k, len(resolved.token_ids[i]), resolved.token_ids[i]):

@@ -29,6 +29,8 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
     (a kvrag.ingest.retrieval.ChunkIndex) is what chat requests without their own chunks retrieve from,
     and what `POST /v1/chunks` adds to; None: no server-side retrieval."""
     settings = settings or ServerSettings()
+    if index is not None:  # an id whose KV entry is damaged or gone is recomputed from the index's text
+        rag.recover_from(index)
     gate = RequestGate(settings.max_concurrency, settings.max_queue)
     if getattr(getattr(rag, "lm", None), "model", None) is not None:  # the answers running at once decode in one pool's rows
         reserve_decode_rows(rag.lm, settings.max_concurrency)

@@ -24,15 +24,24 @@ WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 WRITE_PREFIX = "/v1/chunks"
 
 
+KEY_ID_STATE = "kvrag_key_id"  # where an accepted key's identity travels with its request (scope["state"], request.state)
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def key_id(key: str) -> str:
+    """A key's identity, the same in every replica given the key: a digest that names it without
+    revealing it (the caches' tenant scope, kvrag.server.tenants). Never the key itself."""
+    return hashlib.sha256(b"kvrag-key-id\0" + _digest(key)).hexdigest()[:32]
 
 
 class KeyRing:
     """The keys a server accepts and the right each grants (a key given as both is a write key)."""
 
     def __init__(self, write_keys: Iterable[str] = (), read_keys: Iterable[str] = ()) -> None:
-        self._keys = [(_digest(k), READ) for k in read_keys] + [(_digest(k), WRITE) for k in write_keys]
+        self._keys = [(_digest(k), READ, key_id(k)) for k in read_keys] + [(_digest(k), WRITE, key_id(k)) for k in write_keys]
 
     @property
     def enabled(self) -> bool:
@@ -40,11 +49,16 @@ class KeyRing:
 
     def right_of(self, presented: str) -> str | None:
         """WRITE, READ, or None for a key this server does not accept; every key is compared."""
-        probe, found = _digest(presented), None
-        for digest, right in self._keys:
+        return self.identify(presented)[0]
+
+    def identify(self, presented: str) -> tuple[str | None, str | None]:
+        """(right, key_id) of a presented key, (None, None) for one this server does not accept;
+        every key is compared."""
+        probe, found, ident = _digest(presented), None, None
+        for digest, right, kid in self._keys:
             if hmac.compare_digest(probe, digest) and found != WRITE:
-                found = right
-        return found
+                found, ident = right, kid
+        return found, ident
 
 
 def needed_right(method: str, path: str) -> str | None:
@@ -83,7 +97,7 @@ class APIKeys:
             await self.app(scope, receive, send)
             return
         presented = bearer_of(scope)
-        right = self.keys.right_of(presented) if presented is not None else None
+        right, ident = self.keys.identify(presented) if presented is not None else (None, None)
         if presented is None:
             await _refuse(send, 401, "no API key: this server needs `Authorization: Bearer <key>` (the OpenAI clients' "
                                      "api_key; kvrag's CLI and client read $KVRAG_API_KEY)", "missing_api_key")
@@ -94,6 +108,7 @@ class APIKeys:
                                      "deleting chunks needs a key the server was given with --api-key",
                           "insufficient_permissions", "permission_error")
         else:
+            scope.setdefault("state", {})[KEY_ID_STATE] = ident  # the caller's tenant (kvrag.server.tenants)
             await self.app(scope, receive, send)
 
 

@@ -31,6 +31,7 @@ from kvrag.kv.registry import removed_ids_by, request_scoped_chunks
 from kvrag.pipeline import AnswerStream
 from kvrag.server.cite import sources_block, with_sources
 from kvrag.server.errors import APIError, as_api_error, error_body, log
+from kvrag.server.fit import fit_retrieved
 from kvrag.server.gate import Slot
 from kvrag.chat import Conversation
 from kvrag.server.prompt import conversation_of
@@ -45,6 +46,7 @@ from kvrag.server.schemas import (
     message_texts,
 )
 from kvrag.server.state import ServerState, admit, client_gone, in_thread, pieces_async
+from kvrag.server.tenants import cache_scope, request_salt
 from kvrag.types import AnswerStats
 
 router = APIRouter()
@@ -67,9 +69,17 @@ class Started:
     stream: AnswerStream
     sources: list[dict[str, Any]] | None = None
     cite: str = ""  # the sources block to append to the answer's text (kvrag.server.cite), or ""
+    dropped: list[dict[str, str]] | None = None  # retrieved chunks not answered from, and why (kvrag.server.fit)
+
+    def extra(self) -> dict[str, Any]:
+        """The kvrag fields of the response: `kvrag_sources` when the server retrieved, `kvrag_dropped` when it skipped any."""
+        out: dict[str, Any] = {} if self.sources is None else {"kvrag_sources": self.sources}
+        if self.dropped:
+            out["kvrag_dropped"] = self.dropped
+        return out
 
 
-def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
+def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[[], Started]:
     """The engine call that prefills this request (run later, in a worker thread, holding a slot).
 
     The whole conversation reaches the model in every mode: the client's system messages (after the
@@ -79,10 +89,12 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     title and text count. The tokenizer runs in that thread too, next to the engine's own
     tokenisation, never on the event loop. Inline chunks (`kvrag.chunks`) belong to this request
     alone (`request_scoped_chunks`): answered from, KV cached by content, never bound to their ids.
+    `scope`: the caller's cache scope (kvrag.server.tenants): its prefix cache entries, inline chunks'
+    KV and system prefixes are its own; retrieved and by-id chunks (the corpus) are shared.
     """
     check_model(req.model, state.model_name, state.settings)
     check_supported(req)
-    opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts)
+    opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts, cache_salt=scope)
     rag, settings, ctx = state.rag, state.settings, req.kvrag
     try:
         conv = conversation_of(req.messages)
@@ -97,7 +109,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
 
         def start() -> Started:
             check_token_count(state.count_tokens(texts), settings)
-            with request_scoped_chunks(), removed_ids_by(state.removed_ids):  # an id deleted through any replica: 400
+            with request_scoped_chunks(scope), removed_ids_by(state.removed_ids):  # an id deleted through any replica: 400
                 return Started(rag.stream_chat(conv, ctx.chunk_ids, chunks=chunks, options=opts))
 
         return start
@@ -108,12 +120,15 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     def start_plain() -> Started:
         check_token_count(state.count_tokens(texts), settings)  # every message, as the engine reads them
         found = retrieve() if retrieve is not None else None
-        with request_scoped_chunks():
+        dropped: list[dict[str, str]] = []
+        if found:  # a bad or oversized entry is skipped, the lowest-ranked dropped until they fit: never a 400
+            found, dropped = fit_retrieved(rag, conv, found, opts, state.model_facts.adapter_link_tokens)
+        with request_scoped_chunks(scope, corpus=True):  # retrieved: the corpus's shared KV
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
                 sources = [source_of(c) for c in found]
-                return Started(rag.stream_chat(conv, chunks=found, options=opts), sources, sources_block(sources) if cite else "")
+                return Started(rag.stream_chat(conv, chunks=found, options=opts), sources, sources_block(sources) if cite else "", dropped)
             # plain chat through the model's chat template; known chunks a client pasted into its messages are reused
-            return Started(rag.complete_chat(conv, options=opts), None if found is None else [])
+            return Started(rag.complete_chat(conv, options=opts), None if found is None else [], dropped=dropped)
 
     return start_plain
 
@@ -141,13 +156,13 @@ def _retriever(state: ServerState, req: ChatRequest, conv: Conversation) -> Call
             raise APIError(400, "this server has no retrieval index (started with --no-retrieval): send kvrag.chunk_ids or "
                                 "kvrag.chunks with the request", "no_retrieval_index", param="kvrag.retrieve")
         return None
-    k = min(ctx.top_k or state.settings.top_k, state.settings.max_chunks)
+    k = min(ctx.top_k or state.settings.top_k, state.settings.max_chunks)  # capped: a request reads at most max_chunks
     index, turns = state.index, state.settings.retrieval_turns
     return lambda: conversation_chunks(index, conv, k=k, turns=turns)
 
 
 def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerStats, max_new: int,
-                sources: list[dict[str, Any]] | None) -> dict[str, Any]:
+                extra: dict[str, Any]) -> dict[str, Any]:
     out = {
         "id": req_id,
         "object": "chat.completion",
@@ -156,9 +171,8 @@ def _completion(req_id: str, created: int, model: str, text: str, stats: AnswerS
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish_reason(stats, max_new), "logprobs": None}],
         "usage": _usage(stats),
         "kvrag_stats": stats.as_dict(),
+        **extra,
     }
-    if sources is not None:
-        out["kvrag_sources"] = sources
     return out
 
 
@@ -215,7 +229,7 @@ async def _events(state: ServerState, started: Started, finish: _Finish, req_id:
     client disconnects, the server cancels the body and the next request starts (after at most one
     more token)."""
     model, stream = state.model_name, started.stream
-    sources = {} if started.sources is None else {"kvrag_sources": started.sources}
+    sources = started.extra()  # kvrag_sources (and kvrag_dropped) in the first and the last chunk
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -249,7 +263,8 @@ async def _events(state: ServerState, started: Started, finish: _Finish, req_id:
 async def chat_completions(req: ChatRequest, request: Request) -> Any:
     state: ServerState = request.app.state.kvrag
     try:
-        start = _starter(state, req)  # 400s (and 404 model_not_found) here, before queueing
+        scope = cache_scope(request.state, state.settings, request_salt(req.cache_salt, req.kvrag and req.kvrag.cache_salt))
+        start = _starter(state, req, scope)  # 400s (and 404 model_not_found) here, before queueing
     except Exception as exc:
         raise as_api_error(exc) from None
     max_new = req.max_completion_tokens or req.max_tokens or state.settings.max_new_tokens
@@ -283,7 +298,7 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
         slot.release()
         state.metrics.observe_answer(stream.stats)
     answer = with_sources(text.strip(), started.cite)
-    return JSONResponse(_completion(req_id, created, state.model_name, answer, stream.stats, max_new, started.sources),
+    return JSONResponse(_completion(req_id, created, state.model_name, answer, stream.stats, max_new, started.extra()),
                         headers=_source_headers(started.sources))
 
 

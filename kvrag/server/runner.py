@@ -38,7 +38,9 @@ def serve(settings: ServerSettings, rag=None, index=None) -> None:  # noqa: ANN0
         rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device, link_adapter=settings.link_adapter,
                                     decode_weights=settings.decode_weights, prefix_cache=PrefixCache(None if mb is None else mb * 2**20),
                                     layout=settings.layout_options)
-        rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
+        from kvrag.server.warmup import warm_up
+
+        print(f"warmed up in {warm_up(rag):.1f} s (one tiny answer, kept nowhere)", file=sys.stderr)
     app = create_app(rag, settings, index)
     print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)
     run_beside_home(uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",

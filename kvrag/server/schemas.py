@@ -21,6 +21,8 @@ from kvrag.server.settings import ServerSettings
 from kvrag.types import Chunk
 
 _RESERVED = {*OPTION_KEYS, "options", *DECODE_KEYS}
+CACHE_SALT_HELP = ("scopes what this request reads from and leaves in the server's caches (the exact prefix cache, its inline "
+                   "chunks' KV): only requests with the same salt and API key share them (kvrag.server.tenants)")
 MODEL_ALIAS = "kvrag"  # the name every kvrag client sends; always accepted besides the served model's own
 INT64 = 2**63
 
@@ -36,6 +38,25 @@ def id_problem(chunk_id: str) -> str | None:
         if cat == "Cs":
             return "chunk ids must not contain lone surrogates; use valid Unicode text"
     return None
+
+
+def text_problem(text: str) -> str | None:
+    """Why a text cannot be read as Unicode (None: it can): a lone surrogate (JSON's "\\ud800" with no
+    partner) is no character, and no tokenizer encodes it."""
+    for i, ch in enumerate(text):
+        if unicodedata.category(ch) == "Cs":
+            return (f"holds a lone surrogate (U+{ord(ch):04X} at character {i}), which is not valid Unicode text and "
+                    "cannot be encoded: send UTF-8 text (a JSON \\ud83d must be followed by its low half)")
+    return None
+
+
+def _checked_text(value: Any) -> Any:
+    """`value` if it is a string that encodes (or no string), else the ValueError a 400 names."""
+    if isinstance(value, str):
+        problem = text_problem(value)
+        if problem:
+            raise ValueError(problem)
+    return value
 
 
 class ChunkIn(BaseModel):
@@ -89,11 +110,13 @@ class KVRagContext(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict, description="the method's own parameters, e.g. {'layer': 1}")
     retrieve: bool | None = Field(default=None, description="without chunk_ids/chunks: retrieve from the server's index "
                                                            "(default: the server's setting), or false for plain chat")
-    top_k: int | None = Field(default=None, ge=1, description="chunks retrieved (default: the server's --top-k)")
+    top_k: int | None = Field(default=None, ge=1, le=10_000, description="chunks retrieved, at most the server's --max-chunks "
+                                                                          "(default: the server's --top-k)")
     cite: bool | None = Field(default=None, description="append 'Sources: [1] <title> (<file>)' for the retrieved chunks to "
                                                        "the answer's text (default: the server's --cite-sources, off)")
     prefix_cache: bool | None = Field(default=None, description="false: neither read this request's start from the exact "
                                                                 "prefix cache nor keep its KV there (default: on)")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024, description=CACHE_SALT_HELP)
 
     @property
     def has_context(self) -> bool:
@@ -104,6 +127,14 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _encodable(cls, value: Any) -> Any:
+        """A message the tokenizer cannot encode is the client's 400, said plainly (not the tokenizer's own words)."""
+        for part in value if isinstance(value, list) else [value]:
+            _checked_text(part.get("text") if isinstance(part, dict) else part)
+        return value
 
 
 class ChatRequest(BaseModel):
@@ -120,6 +151,15 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-INT64, le=INT64 - 1)  # OpenAI's: a 64-bit integer
     stream: bool = False
     kvrag: KVRagContext | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _encodable_stop(cls, value: Any) -> Any:
+        for stop in [value] if isinstance(value, str) else value or ():
+            _checked_text(stop)
+        return value
+
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024, description=CACHE_SALT_HELP)  # vLLM's field
     # asked of OpenAI, not done here: a 400 `unsupported` unless the value asks for nothing (see check_supported)
     n: Any = None
     tools: Any = None
@@ -214,12 +254,13 @@ class IngestRequest(BaseModel):
     replace: bool = False
 
 
-def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str, model: Model | None = None) -> AnswerOptions:
+def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str, model: Model | None = None,
+                   cache_salt: str = "") -> AnswerOptions:
     """The request's options over the server's defaults; an unknown method or parameter, or a
     parameter's value the served `model` (its layer count, its link adapter) cannot use, is a 400 now,
     before the request waits for a slot. `default_method` is the engine's (KVRag.default_method): a
     request and the settings that name no method are checked against the method that will answer.
-    A parameter given as null is the method's default."""
+    A parameter given as null is the method's default. `cache_salt`: the caller's cache scope (kvrag.server.tenants)."""
     ctx = req.kvrag or KVRagContext()
     clash = sorted(_RESERVED & set(ctx.params))
     if clash:
@@ -237,6 +278,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=req.stop,
         seed=req.seed,
+        cache_salt=cache_salt,
         **params,
     )
     if ctx.kv_kind is not None:

@@ -64,6 +64,13 @@ class ServerSettings:
     # read (chat, models, metrics). Never shown: not in repr, logs or errors.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     read_keys: tuple[str, ...] = field(default=(), repr=False)
+    # what callers share of cached state (kvrag.server.tenants): False (default), each API key is its own
+    # tenant: its exact prefix cache entries, its inline chunks' KV and its system prefixes are read by its
+    # own requests only; True: every key shares them (one trusted tenant, more hits)
+    share_prefix_cache: bool = False
+    # serve an interface other than loopback without any API key (anyone who reaches it may read and write):
+    # refused at start unless this is set (`kvrag serve --allow-no-auth`), as Redis's protected mode refuses
+    allow_no_auth: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -77,8 +84,13 @@ class ServerSettings:
         if self.top_k < 1:
             raise ValueError("top_k must be at least 1")
         for key in (*self.api_keys, *self.read_keys):
-            if not key or key != key.strip() or any(ord(ch) < 33 or ord(ch) == 127 for ch in key):
-                raise ValueError("an API key must be non-empty printable text without spaces (it travels in an HTTP header)")
+            if not key or any(not 33 <= ord(ch) <= 126 for ch in key):
+                raise ValueError("an API key must be non-empty printable ASCII without spaces: it travels in an HTTP header, "
+                                 "which the server reads as latin-1, so a key with any other character could never match")
+        if not self.is_loopback and not self.authenticated and not self.allow_no_auth:
+            raise ValueError(f"--host {self.host} is reachable from other machines and no API key is given: anyone could run "
+                             "the model, read your documents and add or delete chunks. Give keys (--api-key / --read-key, or "
+                             "$KVRAG_API_KEYS / $KVRAG_READ_KEYS), bind 127.0.0.1, or pass --allow-no-auth to serve it open anyway")
         LayoutOptions.of(self.layout)  # raises ValueError naming the field
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio}")
