@@ -31,6 +31,7 @@ from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary 
     DEFAULT_STOP_AT,
     RATIO_FREE,
     TUNED_METHOD,
+    DefaultSetting,
 )
 
 
@@ -77,6 +78,7 @@ class AnswerOptions:
     short_context: int | None = None  # chunk tokens up to which the prompt is read with Full Attention; None: the default
     records_whole: bool | None = None  # chunks that are records of one kind read with Full Attention; None: the default
     prefix_cache: bool = True  # read a prompt's start from the exact prefix cache (an earlier turn) and keep this turn's KV there
+    default_note: str = field(default="", compare=False)  # set where the method came from the engine's default: which and why
 
     def __post_init__(self) -> None:
         for name in ("min_recompute", "short_context"):
@@ -112,6 +114,8 @@ class AnswerOptions:
         if dec:
             fields["decode"] = decode_config(**{**{k: getattr(base.decode, k) for k in DECODE_KEYS}, **dec})
         inherited = {} if "method" in fields else dict(base.method_params)  # another method: not the old one's parameters
+        if "method" in fields:
+            fields["default_note"] = ""  # a method named here is the caller's, not the default
         if kwargs or inherited != dict(base.method_params):
             fields["method_params"] = {**inherited, **kwargs}
         return dataclasses.replace(base, **fields)
@@ -177,9 +181,18 @@ class AnswerOptions:
         params = sorted((str(k), repr(v)) for k, v in dict(self.method_params).items())
         return repr((method, repr(self.recompute_ratio), self.kv_kind, params, self.min_recompute_tokens()))
 
-    def with_default_method(self, method: str) -> "AnswerOptions":
-        """These options, with `method` where they name none (what the engine does on every request)."""
-        return self if self.method is not None else dataclasses.replace(self, method=method)
+    def with_default_method(self, method: str | DefaultSetting) -> "AnswerOptions":
+        """These options, with `method` where they name none (what the engine does on every request). A
+        `DefaultSetting` (a model's calibrated choice) also brings its ratio, unless these options name
+        another ratio than DEFAULT_RATIO, and its note (`stats.default`)."""
+        if self.method is not None:
+            return self
+        if not isinstance(method, DefaultSetting):
+            return dataclasses.replace(self, method=method)
+        ratio = self.recompute_ratio
+        if not isinstance(ratio, AutoRatio) and ratio == DEFAULT_RATIO:
+            ratio = method.ratio
+        return dataclasses.replace(self, method=method.method, recompute_ratio=ratio, default_note=method.note())
 
     def resolved_method(self) -> Method:
         """The method object; options that name none stand for DEFAULT_METHOD (an engine fills in its own first)."""

@@ -82,7 +82,7 @@ def _starter(state: ServerState, req: ChatRequest) -> Callable[[], Started]:
     """
     check_model(req.model, state.model_name, state.settings)
     check_supported(req)
-    opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts)
+    opts = answer_options(req, state.settings, state.rag.default_setting, state.model_facts)
     rag, settings, ctx = state.rag, state.settings, req.kvrag
     try:
         conv = conversation_of(req.messages)

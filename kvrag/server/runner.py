@@ -38,6 +38,8 @@ def serve(settings: ServerSettings, rag=None, index=None) -> None:  # noqa: ANN0
         rag = KVRag.from_pretrained(settings.model, store=settings.store, device=settings.device, link_adapter=settings.link_adapter,
                                     decode_weights=settings.decode_weights, prefix_cache=PrefixCache(None if mb is None else mb * 2**20))
         rag.prefix_kv()  # warm: the system prefix's KV is ready before the first request
+        if settings.method is None:  # and the default is known: calibrated once per model (minutes on a CPU), kept for every later start
+            print(f"default for requests that name no method: {rag.default_setting.note()}", file=sys.stderr)
     app = create_app(rag, settings, index)
     print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)
     run_beside_home(uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
