@@ -26,9 +26,15 @@ def agreement(prediction: str, reference: str) -> float:
 
 def parted(partial: str, reference: str) -> bool:
     """Whether an answer still being generated can no longer equal `reference` after normalisation: a
-    word it has finished (every word but its last, which may grow) differs from the reference's."""
-    done = normalize(partial).split()[:-1]
-    return done != normalize(reference).split()[: len(done)]
+    word it has finished differs from the reference's, or its last word, which may only grow, does not
+    begin the reference's next word (nor an article, which normalisation drops)."""
+    words, ref = normalize(partial).split(), normalize(reference).split()
+    done, last = words[:-1], words[-1] if words else ""
+    if done != ref[: len(done)]:
+        return True
+    if not last or any(article.startswith(last) for article in ("a", "an", "the")):
+        return False
+    return len(done) >= len(ref) or not ref[len(done)].startswith(last)
 
 
 def first_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:

@@ -302,15 +302,34 @@ def rows(n: int, seed: int = 0, style: str = "short", docs: int = 3, phrasings: 
 # The calibration set (kvrag.check.calibrate; shipped as kvrag/check/calibration_set.json): its own seed (a
 # word, never an integer training or evaluation seed) and phrasing group, contexts long enough to be reused.
 CALIBRATION_KEY = "calibration"
-CALIBRATION_SIZES = (("small", 6), ("large", 10))  # documents per context: ~850 and ~1,400 chunk tokens (SmolLM2)
+CALIBRATION_SIZES = (("small", 5), ("large", 8))  # documents per context: ~900 and ~1,400 chunk tokens (SmolLM2)
 CALIBRATION_GROUPS = 2  # contexts of each size
 CALIBRATION_QUESTIONS = 6  # questions per context
+CALIBRATION_EVENTS = 3  # event sentences per document besides its facts
+
+# Event sentences: "<someone> <did> the <adjective> <thing> <near> <entity> <when>." Drawn word by word from
+# pools, so two documents rarely share a phrase: the documents read as passages, not as records of one kind
+# (kvrag.methods.alike), which every method would read whole.
+_EVENT_VERBS = ("repaired painted sold bought carried described photographed guarded measured rebuilt cleaned moved found "
+                "lost hid borrowed visited studied mapped sketched praised mocked ignored weighed counted traded decorated "
+                "inspected polished recorded").split()
+_EVENT_ADJS = ("rusty narrow crooked tiny enormous faded wooden copper forgotten famous broken hidden ancient crowded quiet "
+               "muddy golden damp windy steep marble velvet humble noisy gilded").split()
+_EVENT_NOUNS = ("bell bridge clock gate lantern ledger map tower garden chapel cellar statue fountain barn mill harbour "
+                "orchard archive carriage well banner organ window staircase library").split()
+_EVENT_PREPS = "near beside behind inside above below opposite outside".split()
+_EVENT_WHEN = ("in {y}", "during {y}", "before {y}", "after {y}", "around {y}", "late in {y}", "early in {y}")
 
 
-def mixed_group(key: str, docs: int, questions: int, phrasings: str = "calibration") -> dict[str, Any]:
-    """One context of `docs` long documents about entities of different types (so never records of one
-    kind, which every method reads whole), and `questions` questions about its entities, the fact kinds
-    taken in turn (a kind the entity lacks: the next one)."""
+def _event(ent: dict[str, Any], rng: random.Random) -> str:
+    return (f"{_person(rng)[0]} {rng.choice(_EVENT_VERBS)} the {rng.choice(_EVENT_ADJS)} {rng.choice(_EVENT_NOUNS)} "
+            f"{rng.choice(_EVENT_PREPS)} {ent['ref']} {rng.choice(_EVENT_WHEN).format(y=rng.randint(1500, 1990))}.")
+
+
+def mixed_group(key: str, docs: int, questions: int, phrasings: str = "calibration", events: int = CALIBRATION_EVENTS) -> dict[str, Any]:
+    """One context of `docs` documents about entities of different types, each stating every fact of its
+    entity among `events` event sentences (so the context is never records of one kind), and `questions`
+    questions about its entities, the fact kinds taken in turn (a kind the entity lacks: the next one)."""
     rng = random.Random(f"kvrag.synthetic:{key}")
     etypes = list(TYPES)
     rng.shuffle(etypes)
@@ -319,7 +338,14 @@ def mixed_group(key: str, docs: int, questions: int, phrasings: str = "calibrati
         ent = _entity(etypes[len(ents) % len(etypes)], rng)
         if ent["name"] not in [e["name"] for e in ents]:
             ents.append(ent)
-    ctxs = [{"title": e["name"], "text": _document(e, next(iter(e["facts"])), "long", rng)} for e in ents]
+    ctxs = []
+    for ent in ents:
+        kinds = list(ent["facts"])
+        rng.shuffle(kinds)
+        sentences = [_cap(rng.choice(DOC_TEMPLATES[k]).format(**_slots(ent, k))) for k in kinds]
+        sentences += [_event(ent, rng) for _ in range(events)]
+        rng.shuffle(sentences)
+        ctxs.append({"title": ent["name"], "text": " ".join(sentences)})
     order = list(range(docs))
     rng.shuffle(order)
     asked = []
