@@ -125,6 +125,8 @@ def _ask_compared(args: argparse.Namespace, rag, chunks, options: dict) -> int:
     if args.temperature > 0:
         raise KVRagError("--compare needs greedy answers (--temperature 0): sampled answers differ run to run")
     method = args.method or rag.default_method
+    if args.method is None and options.get("recompute_ratio") == DEFAULT_RATIO:  # the default's ratio, as calibrated
+        options = {**options, "recompute_ratio": rag.default_setting.ratio}
     runs = [(method, {}, "")] if method == "full" else [(method, {}, ""), ("full", {}, "")]
     rows = compare_runs(rag, args.question, chunks, runs, **options)
     mine, full = rows[0], rows[-1]
@@ -228,11 +230,13 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     rag.precompute(chunks, progress=True)
     question = args.question or sample_questions()[0]["question"]
     retrieved = common.retrieve(index, question, DEFAULT_K)
+    known = rag.peek_default() if hasattr(rag, "peek_default") else rag.default_setting  # never calibrates here
+    fast = known.method if known is not None and known.method != "full" else DEFAULT_METHOD  # a reuse method to show
     print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved: a short context)")
-    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method), raw=rag.default_method):
+    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", fast), raw=fast):
         print(line)
     wide = common.retrieve(index, question, LONG_K)
-    rows = compare_runs(rag, question, wide, [("full", {}, ""), (rag.default_method, {}, "")])
+    rows = compare_runs(rag, question, wide, [("full", {}, ""), (fast, {}, "")])
     print(f"\nThe same question over {len(wide)} chunks ({rows[-1].context_tokens} chunk tokens: approximate reuse applies)")
     for row in rows:
         print(row.line())
@@ -245,6 +249,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
           "chunks that are records of one kind) is answered with Full Attention by every method (--short-context, "
           "--min-recompute, --records-whole); 'policy off': the method alone; the follow-up reads only its new "
           "tokens after the kept first turn, under Full Attention: exact reuse, the same answer token for token)")
+    print("default for questions that name no method: " + (known.note() if known is not None else
+          "not calibrated for this model yet (on its first such question, or `kvrag check-model --calibrate`; `kvrag methods`)"))
     return 0
 
 
