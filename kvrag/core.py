@@ -16,7 +16,8 @@ from kvrag.kv.layout import PromptLayout, make_layout
 from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
 from kvrag.model.loading import LoadedModel, kvrag_home
 from kvrag.kv.kinds import KIND_CHUNK
-from kvrag.options import DEFAULT_METHOD, AnswerOptions
+from kvrag.defaults import FIXED_DEFAULT, DefaultSetting
+from kvrag.options import AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
 from kvrag.kv.precompute import KVComputer
 from kvrag.model.cache import LayerStack
@@ -91,12 +92,18 @@ class KVRagCore:
         return None
 
     @property
+    def default_setting(self) -> DefaultSetting:
+        """The setting a request that names no method gets, and why (`KVRag` calibrates it per model)."""
+        return FIXED_DEFAULT
+
+    @property
     def default_method(self) -> str:
-        """The method a request that names none gets (`KVRag` answers with kvlink over a tuned model)."""
-        return DEFAULT_METHOD
+        """The method a request that names none gets (`default_setting`'s)."""
+        return self.default_setting.method
 
     def _options(self, options: AnswerOptions | None, kwargs: dict[str, Any]) -> AnswerOptions:
-        return AnswerOptions.from_kwargs(options, **kwargs).with_default_method(self.default_method)
+        opts = AnswerOptions.from_kwargs(options, **kwargs)
+        return opts if opts.method is not None else opts.with_default_method(self.default_setting)
 
     @property
     def batch_size(self) -> int:
@@ -190,7 +197,9 @@ class KVRagCore:
         if isinstance(chunk_ids, (str, bytes)):
             raise TypeError(f"chunk_ids must be a list of ids, not one string ({chunk_ids!r}): pass [{chunk_ids!r}]")
         opts = self._options(options, kwargs)
-        return self._prefill_resolved(conv, self.repo.lookup(chunk_ids, chunks, allow_empty), opts)
+        pre = self._prefill_resolved(conv, self.repo.lookup(chunk_ids, chunks, allow_empty), opts)
+        pre.stats.default = opts.default_note
+        return pre
 
     @staticmethod
     def _conversation(question: str | Conversation | None, messages: Any) -> Conversation:
@@ -271,7 +280,7 @@ class KVRagCore:
         `options` or keywords. `evict` (SnapKV) bounds the cache after the first token: the first
         token comes from the prefill's logits, every later one attends to the evicted cache.
         """
-        opts = self._options(options, kwargs)
+        opts = AnswerOptions.from_kwargs(options, **kwargs)  # decoding reads no method: the default is not resolved here
         return self.pipeline.decode(pre, opts.decode, opts.evict)
 
     def match_prompt(self, prompt: str) -> tuple[list[Chunk], str]:

@@ -7,9 +7,13 @@ that act on these values (options, decode, links, training, the disk store) impo
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-# The default fast setting over a model's own weights, as `kvrag eval suite`'s rule picks it
+# A request that names no method gets the setting its model's calibration chose (kvrag.check.calibrate:
+# the fastest setting that gives Full Attention's answer on the calibration set, else Full). Where
+# calibration is off ($KVRAG_CALIBRATE=0, `calibrate=False`), this fixed fast setting, as `kvrag eval suite`'s rule picks it
 # (docs/bench/suite; docs/methods.md, how the default is chosen): with the six-long-document fact set at 30
 # questions, cacheblend@0.15 and fusionrag@0.15 keep up with base Full on the same 12 of 14 blocks
 # (both lose there: 5 and 6 of 30 against Full's 10 at 16 tokens), and fusionrag agrees with base
@@ -22,6 +26,32 @@ DEFAULT_METHOD = "fusionrag"
 TUNED_METHOD = "kvlink"
 RATIO_FREE = ("full", "reuse", TUNED_METHOD)  # methods that, as named, recompute no chosen share of chunk tokens
 DEFAULT_RATIO = 0.15
+
+
+@dataclass(frozen=True)
+class DefaultSetting:
+    """What a request that names no method gets, and why: over base weights, the setting the model's
+    calibration chose (kvrag.check.calibrate), else the fixed DEFAULT_METHOD at DEFAULT_RATIO."""
+
+    method: str
+    ratio: float = DEFAULT_RATIO
+    source: str = "fixed"  # "calibrated", "fixed" (calibration off) or "adapter" (a tuned link adapter was asked for)
+    why: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.method if self.method in RATIO_FREE else f"{self.method}@{self.ratio:g}"
+
+    def note(self) -> str:
+        """One line: the setting and why (what `stats.default`, `kvrag methods` and /health say)."""
+        return f"{self.name} ({self.source}: {self.why})" if self.why else f"{self.name} ({self.source})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "name": self.name}
+
+
+FIXED_DEFAULT = DefaultSetting(DEFAULT_METHOD, DEFAULT_RATIO, "fixed", "calibration off")
+
 # Every answer recomputes at least this many chunk tokens, and reads chunks that hold no more than this
 # with Full Attention over the base weights. Recomputing a fixed number of tokens costs a fixed, small
 # time (~0.1 s on a 2-core CPU), while r = 0.15 of a short context is a handful of tokens: on
@@ -43,6 +73,10 @@ DEFAULT_SHORT_CONTEXT = 768
 # Natural passages (NQ, MuSiQue, the sample) never tripped the test. `stats.full_reason` says when it
 # applied; False turns it off.
 DEFAULT_RECORDS_WHOLE = True
+# Calibration per model (kvrag.check.calibrate): a setting is the default only if it gives Full Attention's
+# answer on at least this share of the calibration questions, and its median TTFT beats Full's by this factor.
+CALIBRATION_BUDGET = 0.9
+CALIBRATION_MIN_SPEEDUP = 1.2
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"
 # The precision the default disk store keeps KV at (an explicit `disk://` URL keeps what it says, exact

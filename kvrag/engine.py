@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 
 from kvrag.cache_backends import KVStore
+from kvrag.check.default import default_for
 from kvrag.check.gate import gate
 from kvrag.chat import Conversation
 from kvrag.core import KVRagCore
@@ -20,18 +21,20 @@ from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.decode.lean import use_decode_weights
 from kvrag.kv.layout import PromptLayout, make_layout
 from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
-from kvrag.defaults import SHIPPED_SPECS, names_no_adapter
+from kvrag.defaults import DEFAULT_RATIO, SHIPPED_SPECS, DefaultSetting, names_no_adapter
 from kvrag.errors import AdapterMismatchError
 from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
 from kvrag.model.loading import LoadedModel, load_model
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
-from kvrag.options import DEFAULT_METHOD, TUNED_METHOD, AnswerOptions
+from kvrag.options import TUNED_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill
 from kvrag.kv.repository import Resolved
 from kvrag.kv.repository import PrecomputeReport
 from kvrag.types import Chunk
 
 log = logging.getLogger(__name__)
+
+_ADAPTER_DEFAULT = DefaultSetting(TUNED_METHOD, DEFAULT_RATIO, "adapter", "a weight-changing link adapter was asked for")
 
 __all__ = [
     "CHUNK_KINDS",
@@ -59,6 +62,7 @@ class KVRag(KVRagCore):
         link_adapter: str | Path | LinkAdapter | None = "auto",
         decode_weights: str | None = None,
         prefix_cache: PrefixCache | None = None,
+        calibrate: bool | None = None,
         **layout_kwargs: Any,
     ) -> None:
         """`check=True` runs the per-model correctness gate (`kvrag.check.checks.gate`) once per model
@@ -67,8 +71,7 @@ class KVRag(KVRagCore):
 
         `link_adapter`: the KVLink adapter `method="kvlink"` uses.
         - "auto" (default): the links-only adapter shipped for this model, if one fits it and the
-          layout (the base weights; the default method stays the training-free DEFAULT_METHOD, which
-          the suite evaluation chose: README "Defaults");
+          layout (the base weights; the default stays the calibrated training-free setting);
         - "links": the same, and nothing else;
         - "tuned": the shipped reuse-tuned adapter (LoRA, K = 5) on kvlink's fast path, else none;
         - None (or "none", as on the command line): no adapter;
@@ -92,10 +95,16 @@ class KVRag(KVRagCore):
         text or a JSON file; validated here (a chunk template without `{text}` raises ValueError naming
         it). The keywords `system_prompt`, `chunk_template`, `untitled_chunk_template` and
         `question_template` change one field of it. Chunk KV is keyed by the layout's prefix and the
-        chunk's own tokens under it, so two layouts never share KV that differs."""
+        chunk's own tokens under it, so two layouts never share KV that differs.
+
+        `calibrate`: what a request that names no method gets. None (default): $KVRAG_CALIBRATE, else on:
+        the setting this model's calibration chose (`default_setting`; kvrag.check.calibrate: run on the
+        first such request, once per model and device type, kept for every later process); False: the
+        fixed DEFAULT_METHOD at DEFAULT_RATIO. A named method always wins."""
         layout = make_layout(lm.tokenizer, layout, **layout_kwargs)
         adapter = _choose_adapter(link_adapter, lm, layout)
         self._link_adapter = adapter
+        self._calibrate = calibrate
         self.check_report = gate(lm) if check else None
         super().__init__(lm, store=store, layout=layout, batch_size=batch_size, prefix_cache=prefix_cache)
         self._fast: _AdapterPath | None = None
@@ -115,6 +124,7 @@ class KVRag(KVRagCore):
         check: bool = True,
         link_adapter: str | Path | LinkAdapter | None = "auto",
         decode_weights: str | None = None,
+        calibrate: bool | None = None,
         **kwargs: Any,
     ) -> "KVRag":
         """Load a model (default: the bundled SmolLM2-135M-Instruct) and open a store (default: disk under $KVRAG_HOME).
@@ -122,11 +132,11 @@ class KVRag(KVRagCore):
         `device`: "auto" (CUDA when a GPU is there, else CPU), "cuda", "cuda:N" or "cpu". `dtype`:
         "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16" or "float32". Stored
         entries record their dtype and are cast to the engine's on load. `check=False` skips the
-        per-model correctness gate (see `KVRag.__init__`). `link_adapter`, `decode_weights`, `layout` (in
-        `kwargs`): see `KVRag.__init__`.
+        per-model correctness gate (see `KVRag.__init__`). `link_adapter`, `decode_weights`, `layout`, `calibrate`
+        (in `kwargs`): see `KVRag.__init__`.
         """
         lm = load_model(model, device=device, dtype=dtype)
-        return cls(lm, store=store, check=check, link_adapter=link_adapter, decode_weights=decode_weights, **kwargs)
+        return cls(lm, store=store, check=check, link_adapter=link_adapter, decode_weights=decode_weights, calibrate=calibrate, **kwargs)
 
     @property
     def link_adapter(self) -> LinkAdapter | None:
@@ -142,15 +152,25 @@ class KVRag(KVRagCore):
         """Another engine over this one's prepared model (gate passed, adapter merged) and another
         store: no second copy of the weights, no second merge."""
         other = KVRag.__new__(KVRag)
-        other._link_adapter, other.check_report = self._link_adapter, self.check_report
+        other._link_adapter, other.check_report, other._calibrate = self._link_adapter, self.check_report, self._calibrate
         KVRagCore.__init__(other, self.lm, store=store, layout=self.layout, batch_size=self.batch_size, prefix_cache=self.prefix_cache)
         other._fast = None if self._fast is None else _AdapterPath(self._fast.lm, other, self._link_adapter)
         return other
 
     @property
-    def default_method(self) -> str:
-        """kvlink when the caller chose a weight-changing link adapter, else DEFAULT_METHOD."""
-        return TUNED_METHOD if self._fast is not None else DEFAULT_METHOD
+    def default_setting(self) -> DefaultSetting:
+        """What a request that names no method gets: kvlink when the caller chose a weight-changing link
+        adapter, else this model's calibrated setting (calibrating it now if no process has; see
+        `calibrate` in `__init__`), or the fixed one with calibration off."""
+        if self._fast is not None:
+            return _ADAPTER_DEFAULT
+        setting = default_for(self.lm, self._calibrate)
+        assert setting is not None  # waiting, it always answers
+        return setting
+
+    def peek_default(self) -> DefaultSetting | None:
+        """`default_setting` where it is known without calibrating or waiting for one (None: not yet)."""
+        return _ADAPTER_DEFAULT if self._fast is not None else default_for(self.lm, self._calibrate, wait=False)
 
     # -- the adapter's fast path ---------------------------------------------------------------------
     def _prefill_resolved(self, question: str | Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool = True) -> Prefill:
@@ -211,8 +231,8 @@ class _AdapterPath(KVRagCore):
         return self._adapter
 
     @property
-    def default_method(self) -> str:
-        return TUNED_METHOD
+    def default_setting(self) -> DefaultSetting:
+        return _ADAPTER_DEFAULT
 
     def rekey(self, resolved: Resolved) -> Resolved:
         """The base path's resolved chunks (ids looked up there, token ids known) keyed for these weights."""

@@ -33,6 +33,7 @@ from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary 
     DEFAULT_STOP_AT,
     RATIO_FREE,
     TUNED_METHOD,
+    DefaultSetting,
 )
 
 
@@ -82,6 +83,7 @@ class AnswerOptions:
     # the exact prefix cache's scope: a turn kept under one salt is read only by requests with the same salt
     # (a tenant of a shared server: kvrag.server.tenants); "": the unsalted scope, as every caller of one engine shares it
     cache_salt: str = ""
+    default_note: str = field(default="", compare=False)  # set where the method came from the engine's default: which and why
 
     def __post_init__(self) -> None:
         for name in ("min_recompute", "short_context"):
@@ -119,6 +121,8 @@ class AnswerOptions:
         if dec:
             fields["decode"] = decode_config(**{**{k: getattr(base.decode, k) for k in DECODE_KEYS}, **dec})
         inherited = {} if "method" in fields else dict(base.method_params)  # another method: not the old one's parameters
+        if "method" in fields:
+            fields["default_note"] = ""  # a method named here is the caller's, not the default
         if kwargs or inherited != dict(base.method_params):
             fields["method_params"] = {**inherited, **kwargs}
         return dataclasses.replace(base, **fields)
@@ -187,9 +191,18 @@ class AnswerOptions:
             signature = repr((method, repr(self.recompute_ratio), self.kv_kind, params, self.min_recompute_tokens()))
         return signature if not self.cache_salt else f"{signature}|salt={salt_digest(self.cache_salt)}"
 
-    def with_default_method(self, method: str) -> "AnswerOptions":
-        """These options, with `method` where they name none (what the engine does on every request)."""
-        return self if self.method is not None else dataclasses.replace(self, method=method)
+    def with_default_method(self, method: str | DefaultSetting) -> "AnswerOptions":
+        """These options, with `method` where they name none (what the engine does on every request). A
+        `DefaultSetting` (a model's calibrated choice) also brings its ratio, unless these options name
+        another ratio than DEFAULT_RATIO, and its note (`stats.default`)."""
+        if self.method is not None:
+            return self
+        if not isinstance(method, DefaultSetting):
+            return dataclasses.replace(self, method=method)
+        ratio = self.recompute_ratio
+        if not isinstance(ratio, AutoRatio) and ratio == DEFAULT_RATIO:
+            ratio = method.ratio
+        return dataclasses.replace(self, method=method.method, recompute_ratio=ratio, default_note=method.note())
 
     def resolved_method(self) -> Method:
         """The method object; options that name none stand for DEFAULT_METHOD (an engine fills in its own first)."""

@@ -67,6 +67,7 @@ class AnswerStats:
     echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the exact prefix cache (a finished earlier turn): not read again
     turns: int = 1  # messages in the conversation answered (user and assistant; 1: a single question)
+    default: str = ""  # where the request named no method: the default setting it got and why (calibrated per model), else ""
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -133,6 +134,7 @@ class AnswerStats:
             + (f" drafts_served={self.draft_accepted}" if self.draft_accepted else "")
             + (f" whole_chunks={self.whole_chunks}" if self.whole_chunks else "")
             + (f" prefix_hit={self.prefix_hit_tokens}" if self.prefix_hit_tokens else "")
+            + (f" default={self.default}" if self.default else "")
         )
 
 

@@ -15,6 +15,11 @@ os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 SHORT_CONTEXT_ENV = ("KVRAG_MIN_RECOMPUTE", "KVRAG_SHORT_CONTEXT", "KVRAG_RECORDS_WHOLE")
 for _name in SHORT_CONTEXT_ENV:
     os.environ[_name] = "0"
+# A request that names no method gets its model's calibrated setting (kvrag.check.calibrate), measured on the
+# first such request: two minutes for the bundled model, a few seconds for each tiny one. The suite keeps the
+# fixed default (DEFAULT_METHOD at DEFAULT_RATIO) that its tests were written against; tests/test_calibrate.py
+# turns calibration on with the `calibrated_defaults` fixture.
+os.environ["KVRAG_CALIBRATE"] = "0"
 # Every engine keeps finished turns' KV (kvrag.kv.prefix_cache, 1 GiB each by default); the suite keeps many
 # engines alive in one process (module fixtures), so each gets a small bound here.
 os.environ.setdefault("KVRAG_PREFIX_CACHE_MB", "64")
@@ -25,6 +30,12 @@ def shipped_defaults(monkeypatch):
     """The read-whole policies as users get them (no KVRAG_MIN_RECOMPUTE, KVRAG_SHORT_CONTEXT, KVRAG_RECORDS_WHOLE)."""
     for name in SHORT_CONTEXT_ENV:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def calibrated_defaults(monkeypatch):
+    """Calibration per model as users get it (no KVRAG_CALIBRATE)."""
+    monkeypatch.delenv("KVRAG_CALIBRATE", raising=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -33,9 +33,13 @@ def test_every_ask_option_is_described_and_examples_keep_their_lines():
 
 
 def test_methods_names_the_default(capsys):
+    """The fixed default is marked, and the rule a model's calibration applies is stated (this suite runs
+    with calibration off: $KVRAG_CALIBRATE=0, so the fixed setting is what is in force)."""
     assert main(["methods"]) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(DEFAULT_METHOD + " "))
-    assert "(the default)" in line
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith(DEFAULT_METHOD + " "))
+    assert "(the fixed default, where calibration is off)" in line
+    assert "the default: calibrated per model" in out and f"calibration is off ($KVRAG_CALIBRATE=0): {DEFAULT_METHOD}@0.15" in out
 
 
 def test_every_option_of_every_command_says_what_it_does():

@@ -79,7 +79,7 @@ class ChatKVRag(BaseChatModel):
     of the cached prefix that every chunk's KV was computed after, so other turns cannot go in front.
     """
 
-    method: str | None = Field(default=None, description=f"Method: reuse, full, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, {TUNED_METHOD} over the tuned bundled model, else {DEFAULT_METHOD}).")
+    method: str | None = Field(default=None, description=f"Method: reuse, full, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, {TUNED_METHOD} over the tuned bundled model, else the model's calibrated setting, {DEFAULT_METHOD} with calibration off).")
     recompute_ratio: float | Literal["auto"] = Field(default=0.15, description="Share of chunk tokens recomputed by selective methods, or 'auto' (per request).")
     max_new_tokens: int = Field(
         default=64,

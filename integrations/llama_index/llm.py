@@ -65,7 +65,7 @@ class KVRagLLM(CustomLLM):
 
     model_name: str | None = Field(default=None, description="HF model id, folder or .gguf; None = bundled SmolLM2-135M-Instruct")
     store: str | None = Field(default=None, description="KV store URL; None = disk under $KVRAG_HOME")
-    method: str | None = Field(default=None, description=f"kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, {TUNED_METHOD} over the tuned bundled model, else {DEFAULT_METHOD})")
+    method: str | None = Field(default=None, description=f"kvrag method: full, reuse, cacheblend, epic, a3, fusionrag, samkv, kvlink (default None: the engine's, {TUNED_METHOD} over the tuned bundled model, else the model's calibrated setting, {DEFAULT_METHOD} with calibration off)")
     recompute_ratio: float | Literal["auto"] = Field(default=0.15, description="share of chunk tokens recomputed by selective methods, or 'auto' (per request)")
     max_new_tokens: int = Field(default=128, description="tokens to generate at most")
     temperature: float = Field(default=0.0, description="0 = greedy")

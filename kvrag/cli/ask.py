@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from kvrag.kv.prefix_cache import without_prefix_cache
@@ -34,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_server_option(ask)
     ask.add_argument("question", help="the question, in quotes")
     ask.add_argument("--method", default=None,
-                     help=f"full, reuse, ... (see `kvrag methods`; default: {DEFAULT_METHOD}, or {TUNED_METHOD} with --link-adapter tuned)")
+                     help=f"full, reuse, ... (see `kvrag methods`; default: the setting this model's calibration chose, "
+                          f"{DEFAULT_METHOD} where calibration is off, or {TUNED_METHOD} with --link-adapter tuned)")
     ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
     ask.add_argument("--min-recompute", type=int, default=None, metavar="TOKENS",
                      help=f"chunk tokens recomputed at least; chunks holding no more are read with Full Attention (0: off; default {DEFAULT_MIN_RECOMPUTE})")
@@ -67,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     qs.add_argument("--question", default=None,
                     help="your own question about the sample corpus, asked over the retrieved chunks (default: the sample's first)")
 
-    sub.add_parser("methods", help="list the available methods")
+    me = sub.add_parser("methods", help="list the available methods, and the default this model's calibration chose")
+    me.add_argument("--model", default=os.environ.get("KVRAG_MODEL"),
+                    help="whose calibrated default to show: HF model id, folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     ask.set_defaults(func=cmd_ask)
     qs.set_defaults(func=cmd_quickstart)
     sub.choices["methods"].set_defaults(func=cmd_methods)
@@ -120,6 +125,8 @@ def _ask_compared(args: argparse.Namespace, rag, chunks, options: dict) -> int:
     if args.temperature > 0:
         raise KVRagError("--compare needs greedy answers (--temperature 0): sampled answers differ run to run")
     method = args.method or rag.default_method
+    if args.method is None and options.get("recompute_ratio") == DEFAULT_RATIO:  # the default's ratio, as calibrated
+        options = {**options, "recompute_ratio": rag.default_setting.ratio}
     runs = [(method, {}, "")] if method == "full" else [(method, {}, ""), ("full", {}, "")]
     rows = compare_runs(rag, args.question, chunks, runs, **options)
     mine, full = rows[0], rows[-1]
@@ -223,11 +230,13 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     rag.precompute(chunks, progress=True)
     question = args.question or sample_questions()[0]["question"]
     retrieved = common.retrieve(index, question, DEFAULT_K)
+    known = rag.peek_default() if hasattr(rag, "peek_default") else rag.default_setting  # never calibrates here
+    fast = known.method if known is not None and known.method != "full" else DEFAULT_METHOD  # a reuse method to show
     print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved: a short context)")
-    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", rag.default_method), raw=rag.default_method):
+    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", fast), raw=fast):
         print(line)
     wide = common.retrieve(index, question, LONG_K)
-    rows = compare_runs(rag, question, wide, [("full", {}, ""), (rag.default_method, {}, "")])
+    rows = compare_runs(rag, question, wide, [("full", {}, ""), (fast, {}, "")])
     print(f"\nThe same question over {len(wide)} chunks ({rows[-1].context_tokens} chunk tokens: approximate reuse applies)")
     for row in rows:
         print(row.line())
@@ -240,6 +249,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
           "chunks that are records of one kind) is answered with Full Attention by every method (--short-context, "
           "--min-recompute, --records-whole); 'policy off': the method alone; the follow-up reads only its new "
           "tokens after the kept first turn, under Full Attention: exact reuse, the same answer token for token)")
+    print("default for questions that name no method: " + (known.note() if known is not None else
+          "not calibrated for this model yet (on its first such question, or `kvrag check-model --calibrate`; `kvrag methods`)"))
     return 0
 
 
@@ -340,6 +351,26 @@ def cmd_methods(args: argparse.Namespace) -> int:
     from kvrag.methods import METHODS
 
     for name, cls in sorted(METHODS.items()):
-        mark = " (the default)" if name == DEFAULT_METHOD else ""
+        mark = " (the fixed default, where calibration is off)" if name == DEFAULT_METHOD else ""
         print(f"{name:12s} {(cls.__doc__ or '').strip().splitlines()[0]}{mark}")
+    print(default_lines(getattr(args, "model", None)))
     return 0
+
+
+def default_lines(model: str | None) -> str:
+    """What a request naming no method gets on `model` (default: the bundled model), as its calibration kept it."""
+    from kvrag.check.calibration_store import results_for_source, setting_of
+    from kvrag.check.default import calibration_enabled
+    from kvrag.defaults import CALIBRATION_BUDGET, CALIBRATION_MIN_SPEEDUP, FIXED_DEFAULT
+    from kvrag.model.loading import BUNDLED_NAME
+
+    rule = (f"the default: calibrated per model, the fastest setting with Full Attention's answer on >= {CALIBRATION_BUDGET:.0%} "
+            f"of the calibration questions and {CALIBRATION_MIN_SPEEDUP:g}x its speed, else full (docs: Methods)")
+    if not calibration_enabled():
+        return f"{rule}\n  calibration is off ($KVRAG_CALIBRATE=0): {FIXED_DEFAULT.name}"
+    source = BUNDLED_NAME if model in (None, "", "bundled") else str(Path(model).expanduser()) if str(model).endswith(".gguf") else str(model)
+    found = results_for_source(source)
+    if not found:
+        return (f"{rule}\n  {source}: not calibrated yet (on its first request that names no method, or "
+                "`kvrag check-model --calibrate`)")
+    return rule + "".join(f"\n  {source} on {device}: {setting_of(r).note()}" for device, r in sorted(found.items()))

@@ -64,11 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(e.g. --adapter lora5=a.safetensors --methods kvlink:link_tokens=5,model=lora5 --ratios 0)")
 
     ev = sub.add_parser("eval", help="evaluation suites: `eval suite` decides the default on several kinds of data")
-    ev.add_argument("suite", choices=("suite", "storage", "layout"),
+    ev.add_argument("suite", choices=("suite", "storage", "layout", "calibration"),
                     help="suite: every set at two answer lengths, the rule applied (docs: Methods, how the default is chosen); "
                          "storage: each set answered from float32, bf16 and int8 stores, against float32 storage's answers "
                          "(the first --lengths value); layout: every candidate prompt layout over the sets and two-turn "
-                         "conversations, the default layout chosen by the rule (docs/bench/layout)")
+                         "conversations, the default layout chosen by the rule (docs/bench/layout); calibration: the model's "
+                         "calibrated default against Full Attention on every set and length (README.md and calibration.json)")
     ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md/json/png, or storage.md/json/png for eval storage")
     ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
     ev.add_argument("--sets", default=None, help="which sets, comma-separated (default: sample,facts,facts-one,nq10,facts-long,musique,kv75; "
@@ -125,6 +126,10 @@ def _eval_command(args: argparse.Namespace) -> int:
         from kvrag.cli.eval_storage import cmd_eval_storage
 
         return cmd_eval_storage(args)
+    if args.suite == "calibration":
+        from kvrag.cli.eval_calibration import cmd_eval_calibration
+
+        return cmd_eval_calibration(args)
     return _run("cmd_eval_suite")(args)
 
 

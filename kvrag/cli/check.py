@@ -22,6 +22,9 @@ def add_check_model_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--shape", default=None,
                    help="check a public model's shapes with random weights instead (kvrag/shapes: llama-3.2-1b, llama-3.1-8b, "
                         "qwen2.5-7b): the gate at 1B-8B depth and width, nothing downloaded")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also calibrate afresh the setting requests that name no method get on this model: every method and "
+                        "ratio beside Full Attention on the shipped calibration set (kept for the engine; docs: Methods)")
     p.set_defaults(func=cmd_check_model)
     return p
 
@@ -57,10 +60,20 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     else:
         report = run_checks(lm)
         _write_verdict(verdict_path(lm.fingerprint), report, lm)
+    calibration = None
+    if getattr(args, "calibrate", False) and report.passed:
+        from kvrag.check.default import calibrate_model
+
+        print("calibrating the default setting (every method and ratio beside Full Attention) ...", file=sys.stderr)
+        _, calibration = calibrate_model(lm, progress=lambda line: print("  " + line, file=sys.stderr))
     if getattr(args, "json", False):
-        print(json.dumps({"passed": report.passed, **report.to_dict()}, indent=1))
+        print(json.dumps({"passed": report.passed, **report.to_dict(), **({"calibration": calibration} if calibration else {})}, indent=1))
     else:
         print(report.table())
+        if calibration:
+            from kvrag.check.calibration_report import calibration_table
+
+            print(calibration_table(calibration))
     if not report.passed:
         print(f"kvrag: error: {report.error_message()}", file=sys.stderr)
         return 1

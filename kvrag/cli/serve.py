@@ -48,7 +48,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--link-adapter", default=d.link_adapter, type=link_adapter_arg,
                    help="auto/links: the shipped link embeddings (base weights); tuned: the shipped LoRA on kvlink's fast path; none; or a file")
     p.add_argument("--method", default=d.method, help="method when a request names none (see `kvrag methods`; default: the engine's, "
-                                                      f"{TUNED_METHOD} over a tuned model, else {DEFAULT_METHOD})")
+                                                      f"{TUNED_METHOD} over a tuned model, else the model's calibrated setting, "
+                                                      f"{DEFAULT_METHOD} with calibration off)")
     p.add_argument("--recompute-ratio", type=ratio_or_auto, default=d.recompute_ratio, help="recompute ratio when a request gives none")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="max_tokens when a request gives none")
     p.add_argument("--decode-weights", choices=DECODE_WEIGHTS, default=d.decode_weights, help=DECODE_WEIGHTS_HELP)

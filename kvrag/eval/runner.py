@@ -25,7 +25,7 @@ from kvrag.eval.metrics import agreement, best_f1, contains, first_token_kl
 
 @dataclass(frozen=True)
 class Setting:
-    method: str
+    method: str  # or "default": no method named, the engine's default (its model's calibrated setting)
     ratio: float | str = 0.0  # or "auto": the engine picks per question (the record holds what it chose)
     kv_kind: str = KIND_CHUNK
     params: tuple[tuple[str, Any], ...] = ()
@@ -33,7 +33,7 @@ class Setting:
 
     @property
     def name(self) -> str:
-        if self.method in ("full", "reuse"):
+        if self.method in ("full", "reuse", "default"):
             base = self.method
         else:
             base = f"{self.method}@{self.ratio:g}" if isinstance(self.ratio, (int, float)) else f"{self.method}@{self.ratio}"
@@ -152,7 +152,9 @@ def _record(
         "setting": st.name,
         "method": st.method,
         "model": st.model,
-        "ratio": 1.0 if st.method == "full" else (st.ratio if st.ratio != "auto" else s.recompute_ratio),
+        "ratio": 1.0 if st.method == "full" else (st.ratio if st.ratio != "auto" and st.method != "default" else s.recompute_ratio),
+        "answered_with": s.method,  # what answered ("default": the engine's choice)
+        "default": s.default,
         "kv_kind": st.kv_kind,
         "answer": text,
         "f1": best_f1(text, ex.answers),
@@ -233,6 +235,9 @@ def run(
                     own_full[st.model] = (ref, engine.decode(ref, max_new_tokens=max_new_tokens).answer().text)
                 if st.method == "full" and not st.params:
                     pre, text = own_full[st.model]
+                elif st.method == "default":  # no method and no ratio named: what users get
+                    pre = engine.prefill(ex.question, ids, kv_kind=st.kv_kind, **dict(st.params))
+                    text = engine.decode(pre, max_new_tokens=max_new_tokens).answer().text
                 else:
                     pre = engine.prefill(
                         ex.question, ids, method=st.method, recompute_ratio=st.ratio, kv_kind=st.kv_kind, **dict(st.params)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 STYLES = ("short", "one", "long")
-PHRASINGS = ("train", "heldout", "all")
+PHRASINGS = ("train", "heldout", "all", "calibration")
 # Row i asks a fact of kind KINDS[i % len(KINDS)], so every kind is equally represented.
 KINDS = ("year", "number", "person", "place", "list", "thing")
 
@@ -38,27 +38,33 @@ QUESTION_TEMPLATES: dict[str, dict[str, list[str]]] = {
     "year": {
         "train": ["In which year was {x} {verb}?", "When was {x} {verb}?", "{X} was {verb} in what year?"],
         "heldout": ["What year was {x} {verb} in?", "In what year was {x} {verb}?", "What is the year in which {x} was {verb}?"],
+        "calibration": ["Tell me the year in which {x} was {verb}.", "According to the documents, when was {x} {verb}?"],
     },
     "number": {
         "train": ["What is the {attr} of {x}?", "{how}", "{X} has what {attr}?"],
         "heldout": ["What is {x}'s {attr}?", "What {attr} does {x} have?", "Can you tell me the {attr} of {x}?"],
+        "calibration": ["According to the documents, what is the {attr} of {x}?", "Give the {attr} of {x}."],
     },
     "person": {
         "train": ["Who was the {role} of {x}?", "Name the {role} of {x}.", "Which person was the {role} of {x}?"],
         "heldout": ["Who served as the {role} of {x}?", "The {role} of {x} was who?", "Do you know who the {role} of {x} was?"],
+        "calibration": ["According to the documents, who was the {role} of {x}?", "Give the name of the {role} of {x}."],
     },
     "place": {
         "train": ["Where {be} {x} {verb}?", "In which {ptype} {be} {x} {verb}?", "{X} {be} {verb} where?"],
         "heldout": ["In what {ptype} {be} {x} {verb}?", "Which {ptype} {be} {x} {verb} in?",
                     "What is the name of the {ptype} where {x} {be} {verb}?"],
+        "calibration": ["According to the documents, in which {ptype} {be} {x} {verb}?", "Give the {ptype} where {x} {be} {verb}."],
     },
     "list": {
         "train": ["What are the {items} {x}?", "List the {items} {x}.", "Name the three {items} {x}."],
         "heldout": ["Which are the {items} {x}?", "Can you name the {items} {x}?", "Tell me the {items} {x}."],
+        "calibration": ["According to the documents, what are the {items} {x}?", "Give the {items} {x}."],
     },
     "thing": {
         "train": ["What is the {attr} of {x}?", "Name the {attr} of {x}.", "{X} has what {attr}?"],
         "heldout": ["What is {x}'s {attr}?", "What {attr} does {x} have?", "Can you tell me the {attr} of {x}?"],
+        "calibration": ["Name the {attr} of {x}, as the documents give it.", "Give the {attr} of {x}, as the documents say."],
     },
 }
 
@@ -183,7 +189,8 @@ TYPES: dict[str, dict[str, Any]] = {
 
 
 def templates(kind: str, phrasings: str) -> list[str]:
-    """The question templates of one fact kind in a phrasing group ("all" = train then heldout)."""
+    """The question templates of one fact kind in a phrasing group ("all" = train then heldout; "calibration":
+    the calibration set's own, which no training or evaluation row uses)."""
     groups = QUESTION_TEMPLATES[kind]
     return groups["train"] + groups["heldout"] if phrasings == "all" else list(groups[phrasings])
 
@@ -292,6 +299,72 @@ def rows(n: int, seed: int = 0, style: str = "short", docs: int = 3, phrasings: 
     return [_row(i, seed, style, docs, phrasings) for i in range(n)]
 
 
+# The calibration set (kvrag.check.calibrate; shipped as kvrag/check/calibration_set.json): its own seed (a
+# word, never an integer training or evaluation seed) and phrasing group, contexts long enough to be reused.
+CALIBRATION_KEY = "calibration"
+CALIBRATION_SIZES = (("small", 5), ("large", 8))  # documents per context: ~900 and ~1,400 chunk tokens (SmolLM2)
+CALIBRATION_GROUPS = 2  # contexts of each size
+CALIBRATION_QUESTIONS = 6  # questions per context
+CALIBRATION_EVENTS = 3  # event sentences per document besides its facts
+
+# Event sentences: "<someone> <did> the <adjective> <thing> <near> <entity> <when>." Drawn word by word from
+# pools, so two documents rarely share a phrase: the documents read as passages, not as records of one kind
+# (kvrag.methods.alike), which every method would read whole.
+_EVENT_VERBS = ("repaired painted sold bought carried described photographed guarded measured rebuilt cleaned moved found "
+                "lost hid borrowed visited studied mapped sketched praised mocked ignored weighed counted traded decorated "
+                "inspected polished recorded").split()
+_EVENT_ADJS = ("rusty narrow crooked tiny enormous faded wooden copper forgotten famous broken hidden ancient crowded quiet "
+               "muddy golden damp windy steep marble velvet humble noisy gilded").split()
+_EVENT_NOUNS = ("bell bridge clock gate lantern ledger map tower garden chapel cellar statue fountain barn mill harbour "
+                "orchard archive carriage well banner organ window staircase library").split()
+_EVENT_PREPS = "near beside behind inside above below opposite outside".split()
+_EVENT_WHEN = ("in {y}", "during {y}", "before {y}", "after {y}", "around {y}", "late in {y}", "early in {y}")
+
+
+def _event(ent: dict[str, Any], rng: random.Random) -> str:
+    return (f"{_person(rng)[0]} {rng.choice(_EVENT_VERBS)} the {rng.choice(_EVENT_ADJS)} {rng.choice(_EVENT_NOUNS)} "
+            f"{rng.choice(_EVENT_PREPS)} {ent['ref']} {rng.choice(_EVENT_WHEN).format(y=rng.randint(1500, 1990))}.")
+
+
+def mixed_group(key: str, docs: int, questions: int, phrasings: str = "calibration", events: int = CALIBRATION_EVENTS) -> dict[str, Any]:
+    """One context of `docs` documents about entities of different types, each stating every fact of its
+    entity among `events` event sentences (so the context is never records of one kind), and `questions`
+    questions about its entities, the fact kinds taken in turn (a kind the entity lacks: the next one)."""
+    rng = random.Random(f"kvrag.synthetic:{key}")
+    etypes = list(TYPES)
+    rng.shuffle(etypes)
+    ents: list[dict[str, Any]] = []
+    while len(ents) < docs:
+        ent = _entity(etypes[len(ents) % len(etypes)], rng)
+        if ent["name"] not in [e["name"] for e in ents]:
+            ents.append(ent)
+    ctxs = []
+    for ent in ents:
+        kinds = list(ent["facts"])
+        rng.shuffle(kinds)
+        sentences = [_cap(rng.choice(DOC_TEMPLATES[k]).format(**_slots(ent, k))) for k in kinds]
+        sentences += [_event(ent, rng) for _ in range(events)]
+        rng.shuffle(sentences)
+        ctxs.append({"title": ent["name"], "text": " ".join(sentences)})
+    order = list(range(docs))
+    rng.shuffle(order)
+    asked = []
+    for j in range(questions):
+        ent = ents[j % docs]
+        kind = next(k for k in KINDS[j % len(KINDS):] + KINDS[: j % len(KINDS)] if k in ent["facts"])
+        qrng = random.Random(f"kvrag.synthetic:{key}:{j}:question:{phrasings}")
+        asked.append({"question": _cap(qrng.choice(templates(kind, phrasings)).format(**_slots(ent, kind))),
+                      "answers": ent["facts"][kind][2], "kind": kind, "gold_index": order.index(j % docs)})
+    return {"id": key, "ctxs": [ctxs[i] for i in order], "questions": asked}
+
+
+def calibration_set() -> dict[str, Any]:
+    """The calibration set: CALIBRATION_GROUPS contexts of each size, CALIBRATION_QUESTIONS questions each."""
+    groups = [{**mixed_group(f"{CALIBRATION_KEY}:{size}:{g}", docs, CALIBRATION_QUESTIONS), "size": size}
+              for g in range(CALIBRATION_GROUPS) for size, docs in CALIBRATION_SIZES]
+    return {"source": "kvrag.eval.synthetic.calibration_set", "groups": groups}
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """One JSON row per line, written to a temporary file then renamed, so a reader never sees half a file."""
     path = Path(path)
@@ -316,7 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=3, help="documents per row, the gold one included")
     ap.add_argument("--phrasings", choices=PHRASINGS, default="all")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--calibration", action="store_true", help="write the calibration set (JSON) instead: kvrag/check/calibration_set.json")
     args = ap.parse_args(argv)
+    if args.calibration:
+        Path(args.out).write_text(json.dumps(calibration_set(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"wrote the calibration set to {args.out}", file=sys.stderr)
+        return 0
     out = write_jsonl(rows(args.n, args.seed, args.style, args.docs, args.phrasings), args.out)
     print(f"wrote {args.n} rows to {out}", file=sys.stderr)
     return 0

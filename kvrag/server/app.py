@@ -60,6 +60,7 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
             "uptime_s": round(time.time() - state.started, 3),
             "queue": state.gate.as_dict(),
             "chunks": counts,
+            "default": default_of(state.rag),
         }
 
     @app.get("/metrics")
@@ -75,6 +76,14 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
         return {"object": "list", "data": [{"id": n, "object": "model", "created": int(state.started), "owned_by": "kvrag"} for n in names]}
 
     return app
+
+
+def default_of(rag: Any) -> dict[str, Any]:
+    """What a request naming no method gets and why (`KVRag.default_setting`: calibrated per model), without
+    calibrating or waiting for one: {"state": "calibrating"} until it is known."""
+    peek = getattr(rag, "peek_default", None)
+    setting = peek() if peek is not None else rag.default_setting
+    return {"state": "calibrating"} if setting is None else {"state": "ok", **setting.as_dict()}
 
 
 def index_and_counts(state: ServerState) -> tuple[dict[str, Any], dict[str, int | None]]:

@@ -94,7 +94,7 @@ def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[
     """
     check_model(req.model, state.model_name, state.settings)
     check_supported(req)
-    opts = answer_options(req, state.settings, state.rag.default_method, state.model_facts, cache_salt=scope)
+    opts = answer_options(req, state.settings, state.rag.default_setting, state.model_facts, cache_salt=scope)
     rag, settings, ctx = state.rag, state.settings, req.kvrag
     try:
         conv = conversation_of(req.messages)

@@ -41,6 +41,8 @@ def serve(settings: ServerSettings, rag=None, index=None) -> None:  # noqa: ANN0
         from kvrag.server.warmup import warm_up
 
         print(f"warmed up in {warm_up(rag):.1f} s (one tiny answer, kept nowhere)", file=sys.stderr)
+        if settings.method is None:  # and the default is known: calibrated once per model, kept for every later start
+            print(f"default for requests that name no method: {rag.default_setting.note()}", file=sys.stderr)
     app = create_app(rag, settings, index)
     print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)
     run_beside_home(uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",

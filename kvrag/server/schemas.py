@@ -14,6 +14,7 @@ from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvrag.defaults import DefaultSetting
 from kvrag.options import DECODE_KEYS, OPTION_KEYS, AnswerOptions
 from kvrag.server.errors import APIError
 from kvrag.server.params import Model, check_method_params
@@ -254,11 +255,12 @@ class IngestRequest(BaseModel):
     replace: bool = False
 
 
-def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str, model: Model | None = None,
+def answer_options(req: ChatRequest, settings: ServerSettings, default_method: str | DefaultSetting, model: Model | None = None,
                    cache_salt: str = "") -> AnswerOptions:
     """The request's options over the server's defaults; an unknown method or parameter, or a
     parameter's value the served `model` (its layer count, its link adapter) cannot use, is a 400 now,
-    before the request waits for a slot. `default_method` is the engine's (KVRag.default_method): a
+    before the request waits for a slot. `default_method` is the engine's (KVRag.default_setting, with
+    the ratio its model's calibration chose where the request and the settings name no other): a
     request and the settings that name no method are checked against the method that will answer.
     A parameter given as null is the method's default. `cache_salt`: the caller's cache scope (kvrag.server.tenants)."""
     ctx = req.kvrag or KVRagContext()
@@ -271,7 +273,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
     if max_new > settings.max_tokens_limit:
         raise APIError(400, f"max_tokens is {max_new} but this server allows at most {settings.max_tokens_limit}", "invalid_request")
     kwargs: dict[str, Any] = dict(
-        method=ctx.method or settings.method or default_method,
+        method=ctx.method or settings.method,  # None: the engine's default (below)
         recompute_ratio=settings.recompute_ratio if ctx.recompute_ratio is None else ctx.recompute_ratio,
         max_new_tokens=max_new,
         temperature=req.temperature or 0.0,
@@ -289,7 +291,7 @@ def answer_options(req: ChatRequest, settings: ServerSettings, default_method: s
     if ctx.stop_at is not None:
         kwargs["stop_at"] = ctx.stop_at
     try:
-        opts = AnswerOptions.from_kwargs(**kwargs)
+        opts = AnswerOptions.from_kwargs(**kwargs).with_default_method(default_method)
     except (ValueError, TypeError) as exc:  # a ratio, kind or decode setting out of range
         raise APIError(400, str(exc), "invalid_request") from None
     try:

@@ -1,0 +1,97 @@
+"""`kvrag eval calibration`: does the calibrated default contain the gold answer as often as Full Attention?
+
+Every suite set (kvrag.eval.suite: held-out rows, several kinds), at each answer length, answered by base Full
+Attention and by the engine's default (no method and no ratio named: what a user gets, the model's calibrated
+setting with the read-whole policies) in the same run (kvrag.eval.runner). The default keeps up on a block when
+it contains the gold at least as often as Full less one question in 30; its TTFT ratio stands beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvrag.eval.report import hardware_line, load_records, summarize
+from kvrag.eval.runner import Setting, hardware, run
+from kvrag.eval.suite import SETS
+
+SETTINGS = (Setting("full"), Setting("default"))
+SLACK = 1 / 30  # the default may contain the gold in one question in 30 fewer than Full
+
+
+def run_calibration_eval(rag: Any, sets: Sequence[str], lengths: Sequence[int], out: Path, data: Path, n: int | None,
+                         progress: bool = True) -> dict[str, Any]:
+    """Answer every set at every length (resumable: records per set and length under OUT), then judge."""
+    for name in sets:
+        spec = SETS[name]
+        examples = spec.build(data, n or spec.n)
+        for length in lengths:
+            run(rag, examples, SETTINGS, out / name / f"len{length}", max_new_tokens=length, progress=progress)
+    return collect(out, sets, lengths)
+
+
+def collect(out: Path, sets: Sequence[str], lengths: Sequence[int]) -> dict[str, Any]:
+    """The blocks answered so far under OUT, each over the questions both settings answered, judged."""
+    blocks = []
+    for name in sets:
+        for length in lengths:
+            path = out / name / f"len{length}" / "records.jsonl"
+            if not path.is_file():
+                continue
+            records = load_records(path)
+            both = {r["example"] for r in records if r["setting"] == "full"} & {r["example"] for r in records if r["setting"] == "default"}
+            keep = [r for r in records if r["example"] in both]
+            if keep:
+                blocks.append(_block(name, length, keep))
+    total_full = sum(b["full_contains"] * b["n"] for b in blocks)
+    total_default = sum(b["default_contains"] * b["n"] for b in blocks)
+    n = sum(b["n"] for b in blocks)
+    return {"blocks": blocks, "n": n, "full_contained": round(total_full), "default_contained": round(total_default),
+            "keeps_up": bool(blocks) and all(b["keeps_up"] for b in blocks), "slack": SLACK}
+
+
+def _block(name: str, length: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = {r["setting"]: r for r in summarize(records)}
+    full, default = rows["full"], rows["default"]
+    answered = Counter(r.get("answered_with", "?") for r in records if r["setting"] == "default")
+    notes = Counter(r.get("default", "") for r in records if r["setting"] == "default")
+    return {
+        "set": name, "kind": SETS[name].kind, "length": length, "n": full["n"],
+        "full_contains": full["contains"], "default_contains": default["contains"],
+        "keeps_up": default["contains"] >= full["contains"] - SLACK - 1e-9,
+        "agreement": default["agree"], "kl": default["kl"], "ttft_ratio": default["ttft_ratio"],
+        "answered_with": dict(answered), "default_note": notes.most_common(1)[0][0] if notes else "",
+    }
+
+
+def calibration_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [
+        "# The calibrated default against Full Attention", "",
+        f"`{meta.get('command', '')}`", "",
+        f"hardware: {meta.get('hardware_line', '')}; model: {meta.get('model', '')}; greedy; {meta.get('note', '')}", "",
+        "\"default\" = no method and no ratio named (the model's calibrated setting, read-whole policies on); \"full\" = base Full "
+        "Attention over the same prompt in the same run. Contained = the normalised gold answer appears in the answer; "
+        f"the default keeps up where it contains the gold at least as often as Full less one question in {round(1 / SLACK)}. "
+        "TTFT = the median per-question ratio Full ÷ default.", "",
+    ]
+    notes = sorted({b["default_note"] for b in result["blocks"] if b["default_note"]})
+    lines += [f"Default chosen: {n}" for n in notes] + [""]
+    lines += ["| set | tokens | n | Full contained | default contained | keeps up | agreement w/ Full | first-token KL | TTFT Full ÷ default | answered with |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in result["blocks"]:
+        answered = ", ".join(f"{k} {v}" for k, v in sorted(b["answered_with"].items()))
+        lines.append(f"| {b['set']} | {b['length']} | {b['n']} | {b['full_contains']:.3f} | {b['default_contains']:.3f} | "
+                     f"{'yes' if b['keeps_up'] else '**no**'} | {b['agreement']:.3f} | {b['kl']:.3f} | {b['ttft_ratio']:.2f}× | {answered} |")
+    lines += ["", f"Over every block: Full contained the gold {result['full_contained']} times, the default "
+              f"{result['default_contained']} times, in {result['n']} answers; the default keeps up on every block: "
+              f"**{'yes' if result['keeps_up'] else 'no'}**.", ""]
+    lines += ["Sets:"] + [f"- `{k}`: {SETS[k].kind}" for k in dict.fromkeys(b["set"] for b in result["blocks"])]
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict[str, Any], out: Path, meta: dict[str, Any]) -> None:
+    meta = {**meta, "hardware_line": hardware_line(meta.get("hardware") or hardware())}
+    (out / "calibration.json").write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
+    (out / "README.md").write_text(calibration_markdown(result, meta))

@@ -1,0 +1,257 @@
+"""Calibration per model (kvrag.check.calibrate): the default a request naming no method gets.
+
+Real runs on tiny random models: one whose answers hang on its context (weights scaled up), where reuse fails
+and the default is Full Attention with the exact prefix cache, and one whose answers barely read it (default
+init), where reuse passes and the default is an approximate method. The set is the shipped one's shape, only
+short (a byte-level tokenizer makes the shipped contexts longer than the tiny models' positions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvrag.check.calibrate as calibrate
+from kvrag import Chunk, KVRag, from_model
+from kvrag.check import calibration_store as store
+from kvrag.check.answers import parted
+from kvrag.check.default import default_for, forget_in_process
+from kvrag.defaults import DEFAULT_RATIO, DEFAULT_SHORT_CONTEXT, FIXED_DEFAULT, DefaultSetting
+from kvrag.eval import synthetic
+from kvrag.options import AnswerOptions
+from tiny import tiny_model, tiny_tokenizer
+
+TESTS = Path(__file__).resolve().parent
+WORDS = "cat mat sun sea red owl fig jam dog log pen hen".split()
+
+
+def tiny_prompts(groups: int = 2, questions: int = 2) -> list[calibrate.Prompt]:
+    rng = random.Random(0)
+    out = []
+    for g in range(groups):
+        chunks = [Chunk(f"t{g}-{i}", " ".join(rng.choice(WORDS) for _ in range(30)), f"T{i}") for i in range(3)]
+        out += [calibrate.Prompt(g, f"Which word comes after {rng.choice(WORDS)} in part {j}?", chunks) for j in range(questions)]
+    return out
+
+
+def tiny_lm(reads_context: bool):
+    """Default init: the answer barely depends on the context, so reuse gives Full's. Scaled up 4x: it hangs on it."""
+    model = tiny_model("llama", seed=0)
+    if reads_context:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(4.0)
+    return from_model(model, tiny_tokenizer())
+
+
+@pytest.fixture
+def runs(monkeypatch, tmp_path, calibrated_defaults):
+    """Calibration on, over the short set, results kept under this test's own model cache; counts the runs."""
+    monkeypatch.setenv("KVRAG_MODEL_CACHE", str(tmp_path / "models"))
+    monkeypatch.setattr(calibrate, "load_prompts", lambda: tiny_prompts())
+    real = calibrate.run_calibration
+    count = []
+
+    def counted(lm, **kwargs):
+        count.append(lm.fingerprint)
+        return real(lm, **kwargs)
+
+    monkeypatch.setattr(calibrate, "run_calibration", counted)
+    forget_in_process()
+    yield count
+    forget_in_process()
+
+
+# -- the set ------------------------------------------------------------------------------------
+def test_the_shipped_set_is_what_the_generator_builds():
+    assert json.loads(store.SET_PATH.read_text(encoding="utf-8")) == synthetic.calibration_set()
+
+
+def test_no_calibration_row_is_a_training_or_evaluation_row():
+    kinds = synthetic.QUESTION_TEMPLATES
+    own = {t for k in kinds for t in kinds[k]["calibration"]}
+    assert own and not own & {t for k in kinds for g in ("train", "heldout") for t in kinds[k][g]}
+    shipped = synthetic.calibration_set()["groups"]
+    questions = {q["question"] for g in shipped for q in g["questions"]}
+    titles = {c["title"] for g in shipped for c in g["ctxs"]}
+    from kvrag.eval.suite import SETS
+
+    for name in ("facts", "facts-one", "facts-long"):
+        rows = SETS[name].build(Path("unused"), SETS[name].n)
+        assert not questions & {r.question for r in rows}, name
+        assert not titles & {c.title for r in rows for c in r.chunks}, name
+    assert len(questions) == sum(len(g["questions"]) for g in shipped)  # every question its own
+    assert {q["kind"] for g in shipped for q in g["questions"]} == set(synthetic.KINDS)  # every kind of fact
+
+
+@pytest.mark.smollm
+def test_every_calibration_context_is_one_the_default_reuses(smollm):
+    """Neither read-whole policy applies: longer than short_context, and not records of one kind."""
+    from kvrag.kv.layout import PromptLayout
+    from kvrag.methods.alike import records_of_one_kind
+
+    layout = PromptLayout(smollm.tokenizer)
+    sizes = []
+    for group in synthetic.calibration_set()["groups"]:
+        chunks = [Chunk(str(i), c["text"], c["title"]) for i, c in enumerate(group["ctxs"])]
+        sizes.append(sum(len(layout.chunk_ids(c)) for c in chunks))
+        assert not records_of_one_kind([f"{c.title}\n{c.text}" for c in chunks]), group["id"]
+    assert min(sizes) > DEFAULT_SHORT_CONTEXT and max(sizes) > 1.4 * min(sizes), sizes  # two sizes, both reused
+
+
+def test_an_answer_is_cut_off_only_once_it_can_no_longer_be_the_same():
+    assert not parted("The Eiff", "The Eiffel Tower.")  # the last word may still grow
+    assert not parted("the  Eiffel Tower", "The Eiffel Tower.")  # case, articles and punctuation do not count
+    assert not parted("In 18", "In 1863.")
+    assert parted("In 1864 it", "In 1863.")  # a finished word differs
+    assert parted("Paris is", "Paris.")  # longer than the reference
+    assert parted("In 1864", "In 1863.")  # a last word that cannot grow into the reference's
+    assert not parted("Paris th", "Paris.")  # ... unless it may become an article
+
+
+# -- the choice -----------------------------------------------------------------------------------
+def test_a_model_that_fails_calibration_gets_full_attention_with_the_prefix_cache(runs):
+    lm = tiny_lm(reads_context=True)
+    rag = KVRag(lm, store="memory://", check=False)
+    setting = rag.default_setting
+    assert (setting.method, setting.source) == ("full", "calibrated") and "no reuse setting" in setting.why
+    assert runs == [lm.fingerprint]
+    chunks = tiny_prompts()[0].chunks
+    first = rag.answer("Which word comes first?", chunks=chunks, max_new_tokens=4)
+    again = rag.answer("Which word comes first?", chunks=chunks, max_new_tokens=4)
+    assert first.stats.method == again.stats.method == "full"
+    assert again.stats.prefix_hit_tokens > 0  # Full Attention with the exact prefix cache
+    assert first.stats.default.startswith("full (calibrated: no reuse setting") and "default=full" in first.stats.summary()
+    result = store.read_result(lm.fingerprint, "cpu")
+    assert result is not None and [r["setting"] for r in result["settings"]] == [
+        calibrate._name(m, r) for m, r in calibrate.candidate_settings()]
+
+
+def test_a_model_that_passes_calibration_gets_the_approximate_method(runs, monkeypatch):
+    monkeypatch.setattr(calibrate, "CALIBRATION_MIN_SPEEDUP", 0.0)  # TTFT on a tiny model is noise: any speed qualifies
+    lm = tiny_lm(reads_context=False)
+    rag = KVRag(lm, store="memory://", check=False)
+    setting = rag.default_setting
+    assert setting.source == "calibrated" and setting.method in ("reuse", *calibrate.METHODS), setting
+    result = store.read_result(lm.fingerprint, "cpu")
+    row = next(r for r in result["settings"] if r["setting"] == setting.name)
+    assert row["status"] == "passed" and row["same"] == row["asked"] == len(tiny_prompts())
+    assert all(r["status"] == "skipped" for r in result["settings"] if r["ratio"] > 0.15)  # a smaller ratio passed first
+    ans = rag.answer("Which word comes first?", chunks=tiny_prompts()[0].chunks, max_new_tokens=4, short_context=0)
+    assert ans.stats.method == setting.method and ans.stats.default.startswith(setting.name + " (calibrated")
+
+
+def test_a_named_method_wins_and_never_calibrates(runs, monkeypatch):
+    monkeypatch.setattr(calibrate, "run_calibration", lambda *a, **k: pytest.fail("calibrated for a named method"))
+    rag = KVRag(tiny_lm(reads_context=True), store="memory://", check=False)
+    ans = rag.answer("Which word comes first?", chunks=tiny_prompts()[0].chunks, method="reuse", max_new_tokens=4, short_context=0)
+    assert ans.stats.method == "reuse" and ans.stats.default == ""
+
+
+def test_calibration_off_keeps_the_fixed_default(runs, monkeypatch):
+    lm = tiny_lm(reads_context=True)
+    assert KVRag(lm, store="memory://", check=False, calibrate=False).default_setting == FIXED_DEFAULT
+    monkeypatch.setenv("KVRAG_CALIBRATE", "0")
+    assert KVRag(lm, store="memory://", check=False).default_setting == FIXED_DEFAULT
+    assert runs == []
+
+
+def test_a_kept_calibration_is_reused_by_another_process(runs, tmp_path):
+    lm = tiny_lm(reads_context=True)
+    chosen = KVRag(lm, store="memory://", check=False).default_setting
+    assert len(runs) == 1
+    script = (
+        "import sys, json; sys.path.insert(0, %r)\n"
+        "import torch, kvrag.check.calibrate as c\n"
+        "c.run_calibration = lambda *a, **k: sys.exit('calibrated again')\n"
+        "from test_calibrate import tiny_lm\n"
+        "from kvrag import KVRag\n"
+        "print(json.dumps(KVRag(tiny_lm(True), store='memory://', check=False).default_setting.as_dict()))\n"
+    ) % str(TESTS)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == chosen.as_dict()
+
+
+def _fabricated(method: str = "a3", ratio: float = 0.3) -> dict:
+    return {"chosen": {"method": method, "ratio": ratio, "why": "made up"}, "settings": [{"setting": "reuse"}]}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "edited", "old version", "unknown method", "not json"])
+def test_a_damaged_calibration_is_run_again_never_trusted(runs, monkeypatch, damage):
+    lm = tiny_lm(reads_context=True)
+    made = []
+    monkeypatch.setattr(calibrate, "run_calibration", lambda lm, **k: made.append(1) or _fabricated())
+    assert default_for(lm).name == "a3@0.3" and len(made) == 1
+    path = store.calibration_path(lm.fingerprint)
+    data = json.loads(path.read_text())
+    if damage == "truncated":
+        path.write_text(path.read_text()[: len(path.read_text()) // 2])
+    elif damage == "edited":  # a changed choice without its checksum
+        data["devices"]["cpu"]["result"]["chosen"]["method"] = "reuse"
+        path.write_text(json.dumps(data))
+    elif damage == "old version":
+        data["versions"]["calibration"] = "0"
+        path.write_text(json.dumps(data))
+    elif damage == "unknown method":  # even with a matching checksum
+        result = data["devices"]["cpu"]["result"]
+        result["chosen"]["method"] = "kvlink"
+        data["devices"]["cpu"]["sha256"] = store._checksum(result)
+        path.write_text(json.dumps(data))
+    else:
+        path.write_bytes(b"\x00\xff not json")
+    forget_in_process()  # as a new process would start
+    assert store.read_result(lm.fingerprint, "cpu") is None
+    assert default_for(lm).name == "a3@0.3" and len(made) == 2  # measured again
+    assert store.read_result(lm.fingerprint, "cpu") is not None  # and kept whole
+
+
+# -- what says it -----------------------------------------------------------------------------------
+def test_the_calibrated_ratio_applies_only_where_no_other_is_named():
+    chosen = DefaultSetting("a3", 0.3, "calibrated", "why")
+    opts = AnswerOptions().with_default_method(chosen)
+    assert (opts.method, opts.recompute_ratio, opts.default_note) == ("a3", 0.3, "a3@0.3 (calibrated: why)")
+    assert AnswerOptions(recompute_ratio=0.5).with_default_method(chosen).recompute_ratio == 0.5
+    named = AnswerOptions(method="epic").with_default_method(chosen)
+    assert (named.method, named.recompute_ratio, named.default_note) == ("epic", DEFAULT_RATIO, "")
+    assert AnswerOptions.from_kwargs(opts, method="reuse").default_note == ""  # a method named later is the caller's
+
+
+def test_the_server_says_and_uses_the_calibrated_default(runs, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from kvrag.server.app import create_app
+    from kvrag.server.schemas import ChatRequest, answer_options
+    from kvrag.server.settings import ServerSettings
+
+    req = ChatRequest(model="kvrag", messages=[{"role": "user", "content": "q"}], kvrag={"chunk_ids": ["a"]})
+    opts = answer_options(req, ServerSettings(), DefaultSetting("cacheblend", 0.3, "calibrated", "why"))
+    assert (opts.method, opts.recompute_ratio) == ("cacheblend", 0.3)
+    assert answer_options(req, ServerSettings(method="epic"), DefaultSetting("cacheblend", 0.3)).recompute_ratio == DEFAULT_RATIO
+    monkeypatch.setattr(calibrate, "run_calibration", lambda lm, **k: _fabricated("epic", 0.5))
+    rag = KVRag(tiny_lm(reads_context=True), store="memory://", check=False)
+    with TestClient(create_app(rag)) as client:
+        assert client.get("/health").json()["default"] == {"state": "calibrating"}  # /health never runs it
+        rag.default_setting
+        health = client.get("/health").json()["default"]
+    assert (health["state"], health["name"], health["source"], health["why"]) == ("ok", "epic@0.5", "calibrated", "made up")
+
+
+def test_kvrag_methods_names_the_kept_choice(runs, monkeypatch, capsys):
+    from kvrag.cli import main
+    from kvrag.check.default import calibrate_model
+
+    monkeypatch.setattr(calibrate, "run_calibration", lambda lm, **k: _fabricated("fusionrag", 0.5))
+    lm = tiny_lm(reads_context=True)
+    lm.source = "tiny-llama-for-methods"
+    assert main(["methods", "--model", "tiny-llama-for-methods"]) == 0
+    assert "tiny-llama-for-methods: not calibrated yet" in capsys.readouterr().out
+    calibrate_model(lm)
+    assert main(["methods", "--model", "tiny-llama-for-methods"]) == 0
+    assert "tiny-llama-for-methods on cpu: fusionrag@0.5 (calibrated: made up)" in capsys.readouterr().out
