@@ -15,7 +15,11 @@ After each input every registered chunk is asked about again and its store entry
 store rows of issue #53 (scripts/hostile_store.py): FIFO, /dev/zero and oversized id refs, the admin
 commands beside special files, symlinked shard folders under a cap, a planted ref, unsigned and
 foreign-key entries under a keyed server (a second server, with $KVRAG_STORE_KEY), benchmark cleanup
-of a folder it did not make, and an ingest of a folder holding a FIFO and a blank file.
+of a folder it did not make, and an ingest of a folder holding a FIFO and a blank file. Then the
+tenant rows (scripts/hostile_tenants.py: a third server with a write and a read key over a real
+`chroma run`): guesses at another key's inline secret through the caches, index entries that must not
+refuse a question, a truncated entry and a lost link asked by id, a replace the index refuses
+mid-request, the start-up refusals and `gc --unverified` beside another key's entries.
 
     python scripts/hostile_table.py [--model tiny|bundled] [--out DIR]
 
@@ -51,6 +55,7 @@ from kvrag.server import ServerSettings, create_app  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hostile_store import StoreCtx, store_rows  # noqa: E402
+from hostile_tenants import tenant_rows  # noqa: E402
 
 ORIGINAL = "The Brannoch Line opened to passengers on 4 March 1921 after years of delay."
 HOSTILE = "The Brannoch Line opened on 9 September 1999."
@@ -265,6 +270,9 @@ CASES = [
     Case("5 chunks (limit 4)", post("/v1/chunks", {"chunks": [{"id": f"many-{i}", "text": "Some text."} for i in range(5)]}), 413, check=not_kept("many-0")),
     Case("oversized body (70 kB)", post("/v1/chunks", {"chunks": [{"id": "huge", "text": "x" * 70_000}]}), 413, check=not_kept("huge")),
     Case("malformed JSON", post("/v1/chat/completions", b'{"model": "kvrag", "messages": ['), 400),
+    Case("lone surrogate in a message", post("/v1/chat/completions", json.dumps(ask("When \ud800 did it open?")).encode()), 400,
+         "invalid_request", lambda ctx, r: None if "lone surrogate" in r.text else "WRONG"),
+    Case("kvrag.top_k 10**9", chat(kvrag={"top_k": 10**9}), 400, "invalid_request"),
     Case("DELETE of an id another id shares", delete_shared, 200, check=lambda ctx, r: None if r.json().get("kv_entries_removed") == 0 else "LOST"),
     Case("DELETE of an unknown id", lambda ctx: ctx.http.delete("/v1/chunks/never-was"), 404),
     Case("client gone before its queued request starts", queued_clients_leave, 200, check=lambda ctx, r: "WRONG" if ctx.bad else None),
@@ -357,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                     ctx.expected[cid] = first
                 rows = [run_case(case, ctx) for case in CASES]
                 rows += keyed_rows(rag, http, Path(tmp), settings, store_lost := [])
+                more, tenants_lost = tenant_rows(Path(tmp), lambda url: KVRag(rag.lm, store=url, check=False), settings, start_server)
+                rows += more
+                store_lost.append(tenants_lost)
         finally:
             server.should_exit = True
             thread.join(10)

@@ -1,5 +1,6 @@
 """Reading chunks back by id from their text's other home, the retrieval index, where the KV store lost
-them: an entry damaged or gone (`_recover`), or links the store lost as a whole (`_recover_unlinked`).
+them: an entry damaged or gone (`_recover`), or links the store lost as a whole (`_recover_unlinked`);
+and putting ids back as they were when a write failed half-way (`bindings`, `rebind`).
 
 A mixin of `ChunkRegistry` (kvrag.kv.registry), which supplies the keys, the layout, the links and the
 request's removed-id judge.
@@ -25,6 +26,17 @@ class TextRecovery:
     # the same chunks (KVRagCore.recover_from); None: nowhere, such an id is ChunkNotFoundError
     text_source: TextSource | None = None
     layout: Any
+    chunks: dict[str, Chunk]
+    guarded: Any
+    namespace: str
+    _registry_lock: Any
+    _tombstones: dict[str, None]
+
+    def store_links(self, chunk_ids: Sequence[str]) -> list[str | None] | None:  # pragma: no cover - StoreIdIndex's
+        raise NotImplementedError
+
+    def unlink(self, chunk_ids: Sequence[str]) -> bool:  # pragma: no cover - ChunkRegistry's
+        raise NotImplementedError
 
     def key(self, kind: str, token_ids: Sequence[int], context: str = "") -> str:  # pragma: no cover - KVRepository's
         raise NotImplementedError
@@ -73,3 +85,30 @@ class TextRecovery:
                         "answered from the index's text and linked again (%s)", len(chunks), ", ".join(repr(c.id) for c in chunks[:5]))
             self.link(chunks)
         return {c.id: c for c in chunks}
+
+    def bindings(self, chunk_ids: Sequence[str]) -> dict[str, tuple[str | None, Chunk | None]] | None:
+        """What each id is bound to now: the store's link (every process's) and this process's chunk, for
+        `rebind` to put back when a write fails half-way; None when the store's id index cannot be read."""
+        links = self.store_links(list(chunk_ids))
+        if links is None:
+            return None
+        with self._registry_lock:
+            return {i: (k, self.chunks.get(i)) for i, k in zip(chunk_ids, links)}
+
+    def rebind(self, previous: dict[str, tuple[str | None, Chunk | None]]) -> None:
+        """Put ids back as `bindings` found them: a replace whose retrieval index write failed leaves the
+        old text everywhere, never the new text by id and the old by retrieval. (The new text's KV entries
+        stay in the store, content-keyed, linked by no id.)"""
+        relink = {i: k for i, (k, _) in previous.items() if k}
+        if relink:
+            self.guarded.link([f"{self.namespace}/{i}" for i in relink], list(relink.values()))
+        new = [i for i, (k, _) in previous.items() if not k]
+        if new:
+            self.unlink(new)
+        with self._registry_lock:
+            for i, (_, chunk) in previous.items():
+                if chunk is None:
+                    self.chunks.pop(i, None)
+                else:
+                    self.chunks[i] = chunk
+                    self._tombstones.pop(i, None)

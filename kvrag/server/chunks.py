@@ -83,6 +83,7 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
                                 f"or another writer): {', '.join(map(repr, taken[:5]))}{' ...' if len(taken) > 5 else ''}. "
                                 'Send "replace": true to replace them (their source and title become this request\'s), '
                                 "or use new ids", "chunk_exists", param="chunks", extra={"conflicts": taken})
+        before = rag.repo.bindings(ids) if state.index is not None else None  # what a failed index write puts back
         report = rag.precompute(chunks, progress=False)
         indexed = None
         if state.index is not None:  # retrievable by chat requests without context, as `kvrag ingest` leaves them
@@ -90,7 +91,16 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
             # a chunk the index holds as it is keeps its entry (an ingested file's source stays its own); a new or
             # replaced one is written whole: its source and title are this request's, never the old file's
             fresh = [c for c in chunks if c.id not in missing and held.get(c.id) != SAME]
-            indexed = state.index.add(fresh) if fresh else 0
+            try:
+                indexed = state.index.add(fresh) if fresh else 0
+            except Exception:  # the index refused (down, frozen): the store's links go back, so the 503 changed nothing
+                if before is not None:
+                    rag.repo.rebind(before)
+                raise
+            try:
+                settle(state, [c.id for c in fresh])
+            except Exception as exc:  # noqa: BLE001 (the write is done; a later write or read settles it)
+                log.warning("could not confirm the store's links against the index after a write: %s", exc)
         return report, indexed
 
     slot = await admit(state, request)  # precompute runs the model: it waits its turn like an answer
@@ -122,6 +132,27 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
 
 
 SAME, OTHER = "same", "other"
+SETTLE_ROUNDS = 5
+
+
+def settle(state: ServerState, ids: list[str]) -> None:
+    """After a write to the retrieval index, bind each id in the store to the text the index now holds
+    for it, then read the index again until the two agree: two replicas replacing one id at once end
+    with one text in both places (the last index write), whatever order their writes landed in. A
+    replica's last act is a link it confirmed by reading the index after it; any later index write is
+    followed by its writer's own confirmed link."""
+    repo = state.rag.repo
+    for _ in range(SETTLE_ROUNDS):
+        held = {c.id: c for c in state.index.get(ids)} if ids else {}
+        links = repo.store_links(list(held))
+        if not held or links is None:
+            return
+        stale = [c for c, key in zip(held.values(), links) if key != repo.chunk_key(repo.layout.chunk_ids(c, memo=False))]
+        if not stale:
+            return
+        log.info("%d chunk id(s) were replaced through another writer meanwhile: bound to the index's text", len(stale))
+        state.rag.register(stale)
+    log.warning("chunk ids %s: the index and the store's links kept changing under concurrent writes", ids[:5])
 
 
 def holdings(state: ServerState, chunks: list[Chunk], keys: list[str]) -> dict[str, str]:
