@@ -170,6 +170,25 @@ class _Worker:
     finish: EntryFile | None = None  # an entry this thread hashed to the end: it finishes it next
 
 
+def read_range(f: EntryFile, begin: int, end: int) -> int:
+    """Read `f`'s bytes begin..end into its buffer; returns the position reached."""
+    if f.failed is not None:  # read unlocked: a stale None only costs a wasted read of a bad entry
+        return begin
+    try:
+        return pread_into(f.fd, f.view, begin, end)
+    except OSError as exc:
+        raise StoreError(f"cannot read {f.name}: {exc}") from exc
+
+
+def close_entry_file(f: EntryFile) -> None:
+    """Close the file and drop its pieces: they point back at it, and a cycle would keep the
+    buffer alive until the garbage collector runs, so the buffer pool could not reuse it."""
+    if f.owned and f.fd >= 0:
+        os.close(f.fd)
+    f.fd = -1
+    f.pieces = []
+
+
 class ReadBatch:
     """One request's reads (see the module docstring); every thread runs `_work`."""
 
@@ -208,7 +227,7 @@ class ReadBatch:
                 self._cv.notify_all()
                 self._cv.wait_for(lambda: self._helping == 0)  # no helper touches a file any more
             for f in self._files:
-                self._close(f)
+                close_entry_file(f)
             self._files, self._active = [], []
         results, self._results = self._results, []  # a helper task may outlive the call: it must hold no buffer
         return results
@@ -369,7 +388,7 @@ class ReadBatch:
         except BaseException:
             for _, f in out:
                 if isinstance(f, EntryFile):
-                    self._close(f)
+                    close_entry_file(f)
             raise
         return out
 
@@ -389,18 +408,8 @@ class ReadBatch:
         f.busy = True
         return f, f.landed()
 
-    def _read(self, p: Piece) -> int:
-        """Read a piece into its entry's buffer; returns the position reached."""
-        return self._read_range(p.file, p.begin, p.end)
-
-    @staticmethod
-    def _read_range(f: EntryFile, begin: int, end: int) -> int:
-        if f.failed is not None:  # read unlocked: a stale None only costs a wasted read of a bad entry
-            return begin
-        try:
-            return pread_into(f.fd, f.view, begin, end)
-        except OSError as exc:
-            raise StoreError(f"cannot read {f.name}: {exc}") from exc
+    def _read(self, p: Piece) -> int:  # a piece into its entry's buffer: the position reached
+        return read_range(p.file, p.begin, p.end)
 
     def _read_hashing(self, p: Piece) -> int:
         """Read a piece its reader hashes (this thread holds `f.busy`), `HASH_STEP` bytes at a time, each
@@ -417,7 +426,7 @@ class ReadBatch:
     def _step(self, f: EntryFile, at: int, stop: int) -> int:
         """Read `f`'s bytes at..stop, next in its hash order (this thread holds `f.busy`), and hash them
         right away; returns the position reached."""
-        reached = self._read_range(f, at, stop)
+        reached = read_range(f, at, stop)
         if f.header is not None and reached == stop and f.hashed == at and f.failed is None:  # the common case, inline
             f.hasher.update(f.view[at:stop])
             f.reached = f.hashed = stop
@@ -478,17 +487,9 @@ class ReadBatch:
                 os.utime(f.fd)  # last use, for LRU
             except OSError:
                 pass
-        self._close(f)
+        close_entry_file(f)
         return fetched
 
-    @staticmethod
-    def _close(f: EntryFile) -> None:
-        """Close the file and drop its pieces: they point back at it, and a cycle would keep the
-        buffer alive until the garbage collector runs, so the buffer pool could not reuse it."""
-        if f.owned and f.fd >= 0:
-            os.close(f.fd)
-        f.fd = -1
-        f.pieces = []
 
 
 def read_entry(fd: int, buf: torch.Tensor, mac_key: MacKey | None = None, key: str = "") -> Fetched:

@@ -29,7 +29,7 @@ from kvrag.kv.kinds import KIND_CHUNK
 from kvrag.options import AnswerOptions
 from kvrag.fuse.probe import ProbeResult, capture_queries
 from kvrag.kv.prefix_cache import PrefixCache
-from kvrag.kv.repository import KVRepository, Resolved
+from kvrag.kv.repository import KVRepository, Resolved, drop_non_finite
 from kvrag.model.rope import Rotary
 from kvrag.timing import clock
 from kvrag.types import Answer, AnswerStats, Chunk
@@ -166,7 +166,7 @@ class RequestPipeline:
         stitched.feed = None
         # the one check of the stored KV's values: non-finite logits (the first token reads them next
         # anyway) mean a bad entry; those are dropped and the prefill runs again, computing them
-        if retry and not bool(torch.isfinite(out.logits).all()) and self.repo.drop_non_finite(resolved, stacks, opts.kv_kind):
+        if retry and not bool(torch.isfinite(out.logits).all()) and drop_non_finite(self.repo, resolved, stacks, opts.kv_kind):
             return self._prefill(conv, resolved, opts, documents, retry=False)
         if window is not None:
             window.key_positions = torch.cat([stitched.positions, torch.arange(segments.context_len, segments.total_len)])

@@ -49,7 +49,8 @@ SERVE = textwrap.dedent(
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
     return {"KVRAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "ANONYMIZED_TELEMETRY": "False", **{n: os.environ[n] for n in SHORT_CONTEXT_ENV}, **extra}
+            "ANONYMIZED_TELEMETRY": "False", "KVRAG_CALIBRATE": os.environ.get("KVRAG_CALIBRATE", "0"),
+            **{n: os.environ[n] for n in SHORT_CONTEXT_ENV}, **extra}
 
 
 class Replica:

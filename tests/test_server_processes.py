@@ -37,6 +37,7 @@ def _start(store: str, home: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     code = SERVE.format(tests=str(Path(__file__).parent), store=store, port=port)
     env = {"KVRAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "KVRAG_CALIBRATE": os.environ.get("KVRAG_CALIBRATE", "0"),
            **{name: os.environ[name] for name in SHORT_CONTEXT_ENV}}  # the reuse path, as in this process
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return proc, f"http://127.0.0.1:{port}"

@@ -339,22 +339,6 @@ class KVRepository(ChunkRegistry):
             if out is not None:
                 out[j] = (k, v)
 
-    def drop_non_finite(self, resolved: Resolved, stacks: Sequence[LayerStack], kind: str = KIND_CHUNK) -> list[int]:
-        """The chunks whose loaded KV holds a non-finite value (an entry whose writer marked it finite
-        and lied, or a store that changed it): each logged, its entries deleted and forgotten by the
-        request, so a retried prefill computes and stores them anew. Called only when a prefill's
-        logits came out non-finite, so the usual read scans nothing (kvrag.kv.entry_check)."""
-        bad = [i for i, (k, v) in enumerate(stacks) if not (all_finite(k) and all_finite(v))]
-        for i in bad:
-            ids = resolved.token_ids[i]
-            log.warning("ignoring a %s cache entry (%d tokens): non-finite values; it will be recomputed and replaced", kind, len(ids))
-            keys = {self.chunk_key(ids, resolved.salt), self.key(kind, ids) if kind != KIND_SIMILARITY else self.similarity_key(resolved.chunks[i], ids)}
-            for key in filter(None, keys):
-                self.guarded.delete(key)
-            resolved.loaded.pop(i, None)
-            resolved.read_ahead.discard(i)
-        return bad
-
     # -- loading --------------------------------------------------------------------------------
     def read_ahead(self, resolved: Resolved) -> None:
         """Read the request's plain chunk entries before the model lock is taken, so a slow store
@@ -410,3 +394,20 @@ class KVRepository(ChunkRegistry):
                 stacks[i] = st
             stats.chunk_prefill_tokens = sum(len(resolved.token_ids[i]) for i in misses)
         return stacks  # type: ignore[return-value]
+
+
+def drop_non_finite(repo: KVRepository, resolved: Resolved, stacks: Sequence[LayerStack], kind: str = KIND_CHUNK) -> list[int]:
+    """The chunks whose loaded KV holds a non-finite value (an entry whose writer marked it finite
+    and lied, or a store that changed it): each logged, its entries deleted and forgotten by the
+    request, so a retried prefill computes and stores them anew. Called only when a prefill's
+    logits came out non-finite, so the usual read scans nothing (kvrag.kv.entry_check)."""
+    bad = [i for i, (k, v) in enumerate(stacks) if not (all_finite(k) and all_finite(v))]
+    for i in bad:
+        ids = resolved.token_ids[i]
+        log.warning("ignoring a %s cache entry (%d tokens): non-finite values; it will be recomputed and replaced", kind, len(ids))
+        keys = {repo.chunk_key(ids, resolved.salt), repo.key(kind, ids) if kind != KIND_SIMILARITY else repo.similarity_key(resolved.chunks[i], ids)}
+        for key in filter(None, keys):
+            repo.guarded.delete(key)
+        resolved.loaded.pop(i, None)
+        resolved.read_ahead.discard(i)
+    return bad

@@ -134,7 +134,8 @@ tiers() {  # reuse from every tier of the CUDA default stack (hot, warm, cold, c
 }
 
 profile() {  # where a decode step's time goes: one step alone and one batched at 8 rows
-  local args=("$(tokenizer)"); [ "$DRY" = 1 ] && args=(--shape none --chunks 2 --chunk-tokens 64 --tokens 4 --profile-tokens 2)
+  local args=("$(tokenizer)" --tokens 64 --profile-tokens 16 --rows 8)
+  [ "$DRY" = 1 ] && args=(--shape none --chunks 2 --chunk-tokens 64 --tokens 4 --profile-tokens 2 --rows 2 --sizes 1,2)
   py "$REPO/scripts/gpu/decode_profile.py" "${args[@]}" --device "$DEV" --dtype "$DT" 2>&1 | grep -v "it/s\|Warn" \
     > "$OUT/decode-profile.txt"
   local rc=$?; head -3 "$OUT/decode-profile.txt"; return $rc
