@@ -24,8 +24,6 @@ from kvrag.server.auth import KEY_ID_STATE
 from kvrag.server.errors import APIError
 from kvrag.server.settings import ServerSettings
 
-MAX_SALT_CHARS = 1024
-
 
 def request_salt(top_level: str | None, in_kvrag: str | None) -> str | None:
     """The request's own `cache_salt`: top-level (as vLLM reads it) or in `kvrag`; both must agree."""
