@@ -14,8 +14,8 @@ median TTFT at least CALIBRATION_MIN_SPEEDUP times Full's; where none is, Full A
 prefix cache, as every `method="full"` request).
 
 It stays within a couple of minutes on a 2-core CPU for the bundled model because it stops early: a setting
-whose median TTFT over its first SPEED_PROMPTS questions is under the speed floor is dropped there (it cannot
-be the default); with the same verdicts, a setting is dropped once it has missed more questions than the budget allows; an answer is
+whose median TTFT over its first SPEED_PROMPTS prefills is under the speed floor is dropped before decoding
+(it cannot be the default); with the same verdicts, a setting is dropped once it has missed more questions than the budget allows; an answer is
 cut off once a finished word differs from Full's (it can no longer be the same); a method's larger ratios
 are skipped once a smaller one passed, or was already slower than the speed floor (they recompute more:
 never sooner); Full's reference for the other
@@ -25,10 +25,10 @@ questions over a context comes from the exact prefix cache (the context is read 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -46,10 +46,9 @@ from kvrag.defaults import (
 )
 from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.model.loading import LoadedModel
-from kvrag.pipeline import AnswerStream
+from kvrag.pipeline import AnswerStream, Prefill
 from kvrag.types import Chunk
 
-log = logging.getLogger(__name__)
 
 METHODS = ("fusionrag", "cacheblend", "epic", "a3")
 RATIOS = (0.15, 0.3, 0.5)
@@ -134,20 +133,27 @@ def same_answer(stream: AnswerStream, reference: str) -> bool:
 
 def _measure(core: KVRagCore, full: _Full, prompts: Sequence[Prompt], method: str, ratio: float, allowed: int,
              min_speedup: float) -> dict[str, Any]:
-    same = asked = 0
-    kls, speed = [], []
-    status = "passed"
-    for i, p in enumerate(prompts):
-        logits, text = full.get(i)
+    """One setting: its first SPEED_PROMPTS prefills, dropped there if its median TTFT ratio is under the
+    speed floor (before decoding anything); else every question in turn until it has missed too many."""
+    kls: list[float] = []
+    speed: list[float] = []
+
+    def prefill(i: int) -> Prefill:
+        p = prompts[i]
+        logits, _ = full.get(i)
         pre = core.prefill(p.question, chunks=p.chunks, method=method, recompute_ratio=ratio, prefix_cache=False,
                            max_new_tokens=CALIBRATION_NEW_TOKENS, **POLICY)
         kls.append(first_token_kl(logits, pre.logits))
         speed.append(full.ttft[p.group] / max(pre.stats.ttft_s, 1e-9))
-        if len(speed) == SPEED_PROMPTS and statistics.median(speed) < min_speedup:
-            status = "too slow"  # it cannot be the default whatever it answers
-            break
+        return pre
+
+    held = {i: prefill(i) for i in range(min(SPEED_PROMPTS, len(prompts)))}
+    same = asked = 0
+    status = "too slow" if len(held) == SPEED_PROMPTS and statistics.median(speed) < min_speedup else "passed"
+    for i in range(len(prompts) if status == "passed" else 0):
+        pre = held.pop(i) if i in held else prefill(i)  # once decoded, a held prefill's cache is let go
         asked += 1
-        same += same_answer(core.decode(pre, max_new_tokens=CALIBRATION_NEW_TOKENS), text)
+        same += same_answer(core.decode(pre, max_new_tokens=CALIBRATION_NEW_TOKENS), full.get(i)[1])
         if asked - same > allowed:
             status = "failed"
             break
@@ -229,22 +235,16 @@ def _context_tokens(core: KVRagCore, prompts: Sequence[Prompt]) -> list[int]:
 
 def choose(rows: Sequence[dict[str, Any]], budget: float, min_speedup: float, questions: int) -> DefaultSetting:
     """The fastest setting that passed and beats Full's TTFT by `min_speedup`; else Full Attention."""
-    passed = [r for r in rows if r.get("status") == "passed"]
-    fast = [r for r in passed if r["ttft_ratio"] >= min_speedup]
+    fast = [r for r in rows if r.get("status") == "passed" and r["ttft_ratio"] >= min_speedup]
     if fast:
         best = max(fast, key=lambda r: r["ttft_ratio"])
         why = (f"the fastest setting with Full Attention's answer on >= {budget:.0%} of the {questions} calibration "
                f"questions ({best['same']}/{best['asked']}, {best['ttft_ratio']:.1f}x Full's TTFT)")
         return DefaultSetting(best["method"], float(best["ratio"]), "calibrated", why)
-    if passed:
-        names = ", ".join(f"{r['setting']} {r['ttft_ratio']:.1f}x" for r in passed)
-        why = (f"the settings with Full Attention's answer on >= {budget:.0%} of the calibration questions ({names}) "
-               f"are not {min_speedup:g}x faster than Full: Full Attention with the exact prefix cache")
-    else:
-        measured = [r for r in rows if r.get("asked")]
-        best = max(measured, key=lambda r: (r["agreement"], -r["kl"]), default=None)
-        tail = (f" (closest: {best['setting']}, {best['same']} of {best['asked']} before it was dropped)"
-                if best is not None else "")
-        why = (f"no reuse setting gave Full Attention's answer on >= {budget:.0%} of the {questions} calibration "
-               f"questions{tail}: Full Attention with the exact prefix cache")
+    counts = Counter(r.get("status") for r in rows)
+    labels = (("failed", "missed too many"), ("too slow", f"under {min_speedup:g}x Full's speed"),
+              ("passed", f"passed but under {min_speedup:g}x Full's speed"), ("skipped", "skipped"))
+    parts = ", ".join(f"{counts[k]} {label}" for k, label in labels if counts[k])
+    why = (f"no reuse setting gave Full Attention's answer on >= {budget:.0%} of the {questions} calibration questions "
+           f"at >= {min_speedup:g}x its speed ({parts}): Full Attention with the exact prefix cache")
     return DefaultSetting("full", DEFAULT_RATIO, "calibrated", why)

@@ -22,7 +22,8 @@ def calibration_table(result: dict[str, Any]) -> str:
             lines.append(f"{r['setting']:<16} {'':>12} {'':>15} {'':>18}  skipped: {r.get('note', '')}")
             continue
         verdict = r["status"] if r["status"] == "passed" or r["asked"] == result.get("questions") else f"{r['status']} (dropped early)"
-        lines.append(f"{r['setting']:<16} {str(r['same']) + '/' + str(r['asked']):>12} {r['kl']:>15.3f} "
+        same = f"{r['same']}/{r['asked']}" if r["asked"] else "-"
+        lines.append(f"{r['setting']:<16} {same:>12} {r['kl']:>15.3f} "
                      f"{r['ttft_ratio']:>17.2f}x  {verdict}")
     chosen = setting_of(result)
     lines.append(f"default: {chosen.name}: {chosen.why}")
