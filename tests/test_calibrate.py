@@ -255,3 +255,22 @@ def test_kvrag_methods_names_the_kept_choice(runs, monkeypatch, capsys):
     calibrate_model(lm)
     assert main(["methods", "--model", "tiny-llama-for-methods"]) == 0
     assert "tiny-llama-for-methods on cpu: fusionrag@0.5 (calibrated: made up)" in capsys.readouterr().out
+
+
+def test_check_model_calibrate_prints_every_setting_and_keeps_the_choice(runs, monkeypatch, tmp_path, capsys):
+    import argparse
+
+    from kvrag.cli.check import add_check_model_parser
+
+    monkeypatch.setattr(calibrate, "CALIBRATION_MIN_SPEEDUP", 0.0)
+    folder = tmp_path / "tiny"
+    tiny_model("llama", seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    parser = argparse.ArgumentParser(prog="kvrag")
+    add_check_model_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check-model", str(folder), "--device", "cpu", "--calibrate"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "calibration on cpu (float32): 4 questions" in out
+    assert all(name in out for name in ("reuse", "fusionrag@0.15", "a3@0.5")) and "\ndefault: " in out
+    assert len(runs) == 1 and len(list(store.calibration_dir().glob("*.json"))) == 2  # the result, and sources.json
