@@ -255,3 +255,43 @@ def test_kvrag_methods_names_the_kept_choice(runs, monkeypatch, capsys):
     calibrate_model(lm)
     assert main(["methods", "--model", "tiny-llama-for-methods"]) == 0
     assert "tiny-llama-for-methods on cpu: fusionrag@0.5 (calibrated: made up)" in capsys.readouterr().out
+
+
+def test_check_model_calibrate_prints_every_setting_and_keeps_the_choice(runs, monkeypatch, tmp_path, capsys):
+    import argparse
+
+    from kvrag.cli.check import add_check_model_parser
+
+    monkeypatch.setattr(calibrate, "CALIBRATION_MIN_SPEEDUP", 0.0)
+    folder = tmp_path / "tiny"
+    tiny_model("llama", seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    parser = argparse.ArgumentParser(prog="kvrag")
+    add_check_model_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check-model", str(folder), "--device", "cpu", "--calibrate"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "calibration on cpu (float32): 4 questions" in out
+    assert all(name in out for name in ("reuse", "fusionrag@0.15", "a3@0.5")) and "\ndefault: " in out
+    assert len(runs) == 1 and len(list(store.calibration_dir().glob("*.json"))) == 2  # the result, and sources.json
+
+
+def test_the_judge_pairs_the_default_with_full_and_says_whether_it_keeps_up(tmp_path, monkeypatch):
+    """`kvrag eval calibration` on two rows: records paired per question, the table and its verdict."""
+    from kvrag.eval.calibration_eval import answer_pairs, calibration_markdown, collect
+    from kvrag.eval.data import example_from_row
+    from tiny import qa_rows
+
+    monkeypatch.setattr("kvrag.eval.calibration_eval.SETS", {"qa": type("S", (), {"kind": "tiny rows"})()})
+    rag = KVRag(tiny_lm(reads_context=False), store="memory://", check=False, calibrate=False)
+    examples = [example_from_row(r) for r in qa_rows(n=2)]
+    answer_pairs(rag, examples, tmp_path / "qa" / "len4", 4, progress=False)
+    answer_pairs(rag, examples, tmp_path / "qa" / "len4", 4, progress=False)  # resumed: nothing answered twice
+    records = [json.loads(line) for line in (tmp_path / "qa" / "len4" / "records.jsonl").read_text().splitlines()]
+    assert [r["setting"] for r in records] == ["full", "default"] * 2
+    assert {r["answered_with"] for r in records if r["setting"] == "default"} == {FIXED_DEFAULT.method}
+    result = collect(tmp_path, ["qa"], [4])
+    block = result["blocks"][0]
+    assert block["n"] == 2 and block["keeps_up"] == (block["default_contains"] >= block["full_contains"] - 1 / 30 - 1e-9)
+    md = calibration_markdown(result, {"command": "kvrag eval calibration", "model": "tiny"})
+    assert "| qa | 4 | 2 |" in md and f"Default chosen: {FIXED_DEFAULT.note()}" in md
