@@ -245,21 +245,22 @@ def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layo
     if names_no_adapter(spec):
         return None
     if isinstance(spec, str) and spec in SHIPPED_SPECS:
-        return _shipped_adapter(lm, layout, ("tuned",) if spec == "tuned" else ("links",))
+        return _shipped_adapter(lm, layout, ("tuned",) if spec == "tuned" else ("links",), quiet=spec == "auto")
     adapter = spec if isinstance(spec, LinkAdapter) else load_adapter(spec)
     check_adapter(adapter, lm, layout.adapter_identities, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
     return adapter
 
 
-def _shipped_adapter(lm: LoadedModel, layout: PromptLayout, kinds: tuple[str, ...]) -> LinkAdapter | None:
+def _shipped_adapter(lm: LoadedModel, layout: PromptLayout, kinds: tuple[str, ...], quiet: bool = False) -> LinkAdapter | None:
     """The first shipped adapter of these kinds that fits (another layout or model: none). The shipped adapters
-    were trained with one layout (kvrag.kv.layout_options.V1_LAYOUT): under any other, kvlink has no adapter,
-    said once at info level (the default method never needs one)."""
+    were trained with one layout (kvrag.kv.layout_options.V1_LAYOUT): under any other, kvlink has no adapter;
+    `quiet` ("auto": the default method never needs one) says so at info level, an adapter asked for by name
+    as a warning."""
     for path in shipped_adapter_paths(lm, kinds):
         try:
             return load_adapter(path, lm, layout.adapter_identities)
         except AdapterMismatchError as exc:  # trained for another layout: expected under every layout but its own
-            log.info("not using the shipped link adapter %s: %s", path.name, exc)
+            (log.info if quiet else log.warning)("not using the shipped link adapter %s: %s", path.name, exc)
         except Exception as exc:  # a damaged file...: try the next, else none
             log.warning("not using the shipped link adapter %s: %s", path.name, exc)
     return None

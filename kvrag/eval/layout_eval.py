@@ -95,7 +95,7 @@ class LayoutRun:
         from kvrag.engine import KVRag
         from kvrag.kv.layout import PromptLayout
 
-        store = open_store("memory://?max_bytes=600000000")
+        store = open_store("memory://?max_bytes=300000000")
         self.engines = {name: KVRag(lm, store=store, layout=PromptLayout(lm.tokenizer, opts), check=False, link_adapter=None)
                         for name, opts in layouts.items()}
         self.out = out
@@ -109,6 +109,8 @@ class LayoutRun:
         self.done.add((record["set"], record["row"], record["layout"], record["method"], record["turn"]))
 
     def _todo(self, set_name: str, row: str, layout: str, turn: int) -> bool:
+        """Whether this row still needs an answer (the folder read again: another process may share it)."""
+        self.done |= _done(self.records)
         return any((set_name, row, layout, m, turn) not in self.done for m in ("full", "default"))
 
     def answer_row(self, set_name: str, ex: Example, half: str) -> None:
