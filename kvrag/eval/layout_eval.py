@@ -2,7 +2,8 @@
 
 Every candidate layout answers the suite's sets (kvrag.eval.suite.SETS) and the two-turn conversations of
 `layout_conversations.json` (follow-ups that say "it", "they", "there"), each row under Full Attention and
-under the engine's default method. The model's own chat template (`tokenizer.apply_chat_template` over the
+under the training-free reuse default (`calibrate=False`: fusionrag@0.15 with the read-whole policies; a
+model's calibration may choose Full Attention, which would judge every layout under Full twice). The model's own chat template (`tokenizer.apply_chat_template` over the
 documents in a system message, then the conversation; Full Attention) answers the conversations as the
 reference. kvrag.eval.layout_report turns the records into the table and applies the rule.
 
@@ -96,8 +97,8 @@ class LayoutRun:
         from kvrag.kv.layout import PromptLayout
 
         store = open_store("memory://?max_bytes=300000000")
-        self.engines = {name: KVRag(lm, store=store, layout=PromptLayout(lm.tokenizer, opts), check=False, link_adapter=None)
-                        for name, opts in layouts.items()}
+        self.engines = {name: KVRag(lm, store=store, layout=PromptLayout(lm.tokenizer, opts), check=False, link_adapter=None,
+                              calibrate=False) for name, opts in layouts.items()}
         self.out = out
         self.records = out / "records.jsonl"
         self.done = _done(self.records)

@@ -126,7 +126,7 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], choice: dict[str, An
         f"Machine: {meta.get('hardware_line', '')}; model: {meta.get('model', '')}; greedy, {meta.get('max_new_tokens')} new tokens "
         f"at most; {meta.get('size', '')}. \"contained\" = the normalised gold answer appears in the answer (k/n, 95% bootstrap "
         "interval of the rate); agreement = the same answer as Full Attention over the same layout's prompt. \"default\" is the "
-        f"engine's default method ({meta.get('default_method', '')}; contexts under its short-context limit are read whole, "
+        f"training-free reuse default ({meta.get('default_method', '')}, not a model's calibrated choice, which may be Full; contexts under its short-context limit are read whole, "
         "so there it is Full Attention). Conversations: turn two follows the layout's own turn one; `template` is the model's "
         "own chat template over the documents in a system message (`tokenizer.apply_chat_template`, Full Attention).", "",
         f"**Chosen by the rule on the choose half: `{chosen}`**; on the held-out half it "
