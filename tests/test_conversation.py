@@ -24,8 +24,8 @@ def turn2(answer: str, question: str = "And where was it?") -> list[dict]:
     return TURN1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
 
 
-def make_rag(arch: str = "llama") -> KVRag:
-    rag = KVRag(from_model(tiny_model(arch), tiny_tokenizer()), store="memory://")
+def make_rag(arch: str = "llama", layout=None) -> KVRag:
+    rag = KVRag(from_model(tiny_model(arch), tiny_tokenizer()), store="memory://", layout=layout)
     rag.precompute(CHUNKS, progress=False)
     return rag
 
@@ -47,10 +47,19 @@ def test_one_question_is_the_one_message_case():
     assert layout.conversation_segments(ids, Conversation.ask("What did the cat do?")) == layout.segments(ids, "What did the cat do?")
 
 
-def test_the_callers_system_text_follows_the_engines_instruction():
-    rag = make_rag()
-    conv = Conversation.of(turn2("It purred."))
-    messages = rag.layout.conversation_messages(CHUNKS, conv)
+def test_the_callers_system_text_follows_the_engines_instruction_and_the_documents():
+    rag = make_rag()  # the default layout: the documents in the system message, the questions as written
+    messages = rag.layout.conversation_messages(CHUNKS, Conversation.of(turn2("It purred.")))
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    system = messages[0]["content"]
+    assert system.startswith(rag.layout.system_prompt + "\n") and system.endswith("\nBe brief.")
+    assert all(c.text in system for c in CHUNKS) and "Document:" not in system
+    assert messages[1]["content"] == "What did the cat do?" and messages[3]["content"] == "And where was it?"
+
+
+def test_under_the_v1_layout_the_documents_open_the_first_user_turn():
+    rag = make_rag(layout="v1")
+    messages = rag.layout.conversation_messages(CHUNKS, Conversation.of(turn2("It purred.")))
     assert messages[0] == {"role": "system", "content": rag.layout.system_prompt + "\n\nBe brief."}
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[1]["content"].startswith("Document: The cat sat") and messages[1]["content"].endswith("Question: What did the cat do?")

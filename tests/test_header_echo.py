@@ -34,12 +34,13 @@ def test_no_headers_skip_nothing():
 
 
 def test_the_layout_names_each_chunk_header_line():
-    layout = PromptLayout(tiny_tokenizer())
+    layout = PromptLayout(tiny_tokenizer(), "v1")  # the layout with "Document:" header lines
     chunks = [Chunk("e", "The Eiffel Tower.", "eiffel"), Chunk("w", "A wall.", "wall"), Chunk("u", "Untitled text.")]
     assert layout.header_lines(chunks) == {"Document: eiffel", "Document: wall"}  # untitled: header and text share a line
     inline = PromptLayout(tiny_tokenizer(), chunk_template="[{title}] {text}\n\n")
     assert inline.header_lines(chunks) == set()
     assert PromptLayout(tiny_tokenizer(), chunk_template="{text}\n\n").header_lines(chunks) == set()
+    assert PromptLayout(tiny_tokenizer()).header_lines(chunks) == set()  # the default writes no header
 
 
 def _scripted(text: str, cfg: DecodeConfig, headers=HEADERS):

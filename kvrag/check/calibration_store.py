@@ -3,7 +3,7 @@
 
 Nothing here imports torch, so `kvrag methods` reads it at once. A file is written whole to a temporary
 name and renamed (a reader sees the old or the new file), and read back only if it is whole: valid JSON,
-this kvrag's calibration version, set and libraries, the fingerprint it is named by, an entry whose
+this kvrag's calibration version, set, default layout and libraries, the fingerprint it is named by, an entry whose
 checksum matches and whose fields make sense. Anything else is no result: the engine calibrates again.
 """
 
@@ -46,7 +46,9 @@ def _version_of(package: str) -> str:
 
 def versions() -> dict[str, str]:
     """What a kept result depends on besides the model: read without importing torch."""
-    return {"calibration": CALIBRATION_VERSION, "kvrag": __version__, "set": set_digest(),
+    from kvrag.kv.layout import LAYOUT_VERSION  # the default prompt layout the settings were measured over
+
+    return {"calibration": CALIBRATION_VERSION, "kvrag": __version__, "set": set_digest(), "layout": LAYOUT_VERSION,
             "torch": _version_of("torch"), "transformers": _version_of("transformers")}
 
 

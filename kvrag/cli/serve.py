@@ -63,7 +63,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "that show only the text (LangChain's ChatOpenAI drops kvrag_sources); a request's "
                         '"kvrag": {"cite": true|false} overrides it (default: off: answers are what the model said)')
     p.add_argument("--layout", default=os.environ.get("KVRAG_LAYOUT") or d.layout, metavar="JSON|FILE|PRESET",
-                   help='the prompt layout, one object: a preset (default, v1), JSON text such as \'{"place": "system", '
+                   help='the prompt layout, one object: a preset (default, chat, v1), JSON text such as \'{"place": "system", '
                         '"instruction": "", "chunk_template": "{title}\\n{text}\\n", "question_template": "{question}"}\' '
                         "(keys: place system/user/turn, instruction, chunk_template with {text}, untitled_chunk_template, "
                         "question_template with {question}, documents_end, history after/before), or a JSON file of it "

@@ -25,13 +25,13 @@ from typing import Any, Iterator, Sequence
 from kvrag.chat import Conversation
 from kvrag.eval.data import Example
 from kvrag.eval.metrics import agreement, contains
-from kvrag.kv.layout_options import FRAMEWORK_INSTRUCTION, V1_INSTRUCTION, V1_LAYOUT, LayoutOptions
+from kvrag.kv.layout_options import CHAT_LAYOUT, FRAMEWORK_INSTRUCTION, V1_INSTRUCTION, V1_LAYOUT, LayoutOptions
 from kvrag.types import Chunk
 
 TODAY = "v1"
 REFERENCE = "template"  # the model's own chat template, documents in a system message (conversations only)
 CONVERSATIONS = "conversations"
-_CHAT = LayoutOptions(place="system", instruction="", chunk_template="{text}\n", question_template="{question}")
+_CHAT = CHAT_LAYOUT  # documents in the system message, no instruction, no header, the question as written
 CANDIDATES: dict[str, LayoutOptions] = {
     TODAY: V1_LAYOUT,
     "chat": _CHAT,

@@ -28,8 +28,10 @@ from typing import Any, Mapping
 PLACES = ("system", "user", "turn")
 HISTORY = ("after", "before")
 
-# the instruction kvrag used up to layout version 1, and the wording LlamaIndex's context chat engine uses
+# kvrag's instruction (the default layout's, and the layout's up to version 1), and the wording LlamaIndex's context
+# chat engine uses
 V1_INSTRUCTION = "You are a helpful assistant. Answer the question using the documents below. Answer with a short phrase."
+DEFAULT_INSTRUCTION = V1_INSTRUCTION
 FRAMEWORK_INSTRUCTION = "Use the context information below to assist the user."
 
 _FIELDS = ("place", "instruction", "chunk_template", "untitled_chunk_template", "question_template", "documents_end", "history")
@@ -61,8 +63,8 @@ class LayoutOptions:
     the field."""
 
     place: str = "system"
-    instruction: str = ""  # before the documents ("system") or as the system message ("user", "turn"); "" none
-    chunk_template: str = "{title}\n{text}\n"  # a titled chunk
+    instruction: str = DEFAULT_INSTRUCTION  # before the documents ("system") or as the system message ("user", "turn"); "" none
+    chunk_template: str = "{text}\n"  # a titled chunk ("{title}\n{text}\n" writes its title line)
     untitled_chunk_template: str | None = None  # None: chunk_template without its "{title}" line
     question_template: str = "{question}"  # every user turn of a conversation with documents
     documents_end: str = ""  # text right after the last document, in the documents' message
@@ -145,9 +147,12 @@ class LayoutOptions:
 # first user turn, "Question: " before every user turn
 V1_LAYOUT = LayoutOptions(place="user", instruction=V1_INSTRUCTION, chunk_template="Document: {title}\n{text}\n\n",
                           untitled_chunk_template="Document: {text}\n\n", question_template="Question: {question}")
-# documents in the system message, no instruction, the title line and the text, the question as the user wrote it
-CHAT_LAYOUT = LayoutOptions()
-DEFAULT_LAYOUT = V1_LAYOUT
+# the default from LAYOUT_VERSION 2 (the fields' own defaults): the documents in the system message after kvrag's
+# instruction, each chunk's text alone, the question as the user wrote it; chosen by `kvrag eval layout`'s rule
+# (docs/bench/layout)
+DEFAULT_LAYOUT = LayoutOptions()
+# as the model's own chat template would be given documents: the same, without an instruction
+CHAT_LAYOUT = DEFAULT_LAYOUT.replace(instruction="")
 PRESETS: dict[str, LayoutOptions] = {"default": DEFAULT_LAYOUT, "chat": CHAT_LAYOUT, "v1": V1_LAYOUT}
 
 
