@@ -26,6 +26,7 @@ from kvrag.ingest.index_url import (
     parse_index_url,
     unavailable_as,
 )
+from kvrag.ingest.index_trust import MAC_FIELD, index_key, signed_metadata, verified_entry
 from kvrag.types import Chunk
 
 # Set before sentence-transformers / huggingface_hub are imported anywhere below, so a local
@@ -83,7 +84,7 @@ def _simple_metadata(chunk: Chunk) -> dict[str, str | int | float | bool]:
     """Chroma metadata for a chunk: its title plus the metadata values Chroma can store."""
     meta: dict[str, str | int | float | bool] = {}
     for key, value in (chunk.metadata or {}).items():
-        if isinstance(key, str) and key != _TITLE_KEY and isinstance(value, (str, int, float, bool)):
+        if isinstance(key, str) and key not in (_TITLE_KEY, MAC_FIELD) and isinstance(value, (str, int, float, bool)):
             meta[key] = value
     meta[_TITLE_KEY] = chunk.title or ""
     return meta
@@ -91,6 +92,7 @@ def _simple_metadata(chunk: Chunk) -> dict[str, str | int | float | bool]:
 
 def _to_chunk(id_: str, document: str | None, metadata: Mapping[str, Any] | None) -> Chunk:
     meta = dict(metadata or {})
+    meta.pop(MAC_FIELD, None)  # the store key's business (kvrag.ingest.index_trust), never a chunk's own
     title = meta.pop(_TITLE_KEY, "")
     return Chunk(id=id_, text=document or "", title=str(title or ""), metadata=meta)
 
@@ -175,6 +177,9 @@ class ChunkIndex:
     came from another embedding model is EmbeddingMismatchError. Upserts are keyed by chunk id, so
     re-ingesting the same documents is idempotent. `sources_under`: the paths an ingest was given;
     chunks added then record their file's name relative to them (SOURCE_NAME_KEY, what clients see).
+    `key`: the store key (default `$KVRAG_STORE_KEY`; "" for none): with one, every entry written is
+    signed and an entry read back whose MAC is missing or wrong is skipped by `query`, `query_many` and
+    `get`, counted and its id logged (kvrag.ingest.index_trust), never answered nor credited.
     """
 
     def __init__(
@@ -183,8 +188,10 @@ class ChunkIndex:
         collection: str = "kvrag_chunks",
         url: str | None = None,
         sources_under: Sequence[str | os.PathLike[str]] = (),
+        key: Any = None,
     ) -> None:
         self._where: IndexURL | None = None
+        self._key = index_key(key)
         if url is not None:
             if path is not None:
                 raise ValueError("ChunkIndex: give either path (an embedded index) or url (a shared one), not both")
@@ -321,7 +328,7 @@ class ChunkIndex:
                 ids=[c.id for c in batch],
                 documents=[c.text for c in batch],
                 embeddings=vectors,
-                metadatas=[_simple_metadata(c) for c in batch],  # type: ignore[misc]
+                metadatas=[self._entry_metadata(c) for c in batch],  # type: ignore[misc]
             ))
         return len(items)
 
@@ -330,10 +337,19 @@ class ChunkIndex:
         replaced chunk would still name the old file as its source). Delete such entries first."""
         result = self._run(lambda coll: coll.get(ids=[c.id for c in batch], include=["metadatas"]))
         metas = result.get("metadatas") or [None] * len(result["ids"])
-        new_keys = {c.id: set(_simple_metadata(c)) for c in batch}
+        new_keys = {c.id: set(self._entry_metadata(c)) for c in batch}
         stale = [i for i, m in zip(result["ids"], metas) if set(m or {}) - new_keys[i]]
         if stale:
             self._run(lambda coll: coll.delete(ids=stale))
+
+    def _entry_metadata(self, chunk: Chunk) -> dict[str, Any]:
+        """What Chroma keeps beside a chunk's text: its simple metadata, signed when there is a key."""
+        return signed_metadata(self._key, chunk.id, chunk.text, _simple_metadata(chunk))
+
+    def _trusted(self, ids: Sequence[str], docs: Sequence[Any], metas: Sequence[Any]) -> list[Chunk]:
+        """The entries the store key vouches for, as chunks (all of them without a key; the rest skipped,
+        counted and named in the log: kvrag.ingest.index_trust)."""
+        return [_to_chunk(i, d, m) for i, d, m in zip(ids, docs, metas) if verified_entry(self._key, i, d, m)]
 
     def _named(self, chunk: Chunk) -> Chunk:
         """The chunk with its file's name relative to the ingested folders recorded (when known)."""
@@ -348,7 +364,7 @@ class ChunkIndex:
             docs = result.get("documents") or [None] * len(result["ids"])
             metas = result.get("metadatas") or [None] * len(result["ids"])
             stored.update((i, (d, dict(m or {}))) for i, d, m in zip(result["ids"], docs, metas))
-        return [c for c in items if stored.get(c.id) != (c.text, _simple_metadata(c))]
+        return [c for c in items if stored.get(c.id) != (c.text, self._entry_metadata(c))]  # unsigned ones: signed now
 
     def query(self, question: str, k: int = 5) -> list[Chunk]:
         """The k chunks closest in meaning to `question`, best first ([] if the index is empty)."""
@@ -374,22 +390,27 @@ class ChunkIndex:
         for row, ids in enumerate(result["ids"]):
             docs = (result.get("documents") or [[None] * len(ids)] * len(questions))[row]
             metas = (result.get("metadatas") or [[None] * len(ids)] * len(questions))[row]
-            out.append([_to_chunk(i, d, m) for i, d, m in zip(ids, docs, metas)])
+            out.append(self._trusted(ids, docs, metas))
         return out
 
     def get(self, ids: Sequence[str]) -> list[Chunk]:
-        """Chunks by id, in the order asked; ids not in the index are skipped."""
+        """Chunks by id, in the order asked; ids not in the index (or, with a key, not verified) are skipped."""
+        return self._get(ids, verify=True)
+
+    def _get(self, ids: Sequence[str], verify: bool) -> list[Chunk]:
         wanted = list(ids)
         if not wanted:
             return []
         result = self._run(lambda coll: coll.get(ids=list(dict.fromkeys(wanted)), include=["documents", "metadatas"]))
         docs = result.get("documents") or [None] * len(result["ids"])
         metas = result.get("metadatas") or [None] * len(result["ids"])
-        found = {i: _to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas)}
+        chunks = self._trusted(result["ids"], docs, metas) if verify else map(_to_chunk, result["ids"], docs, metas)
+        found = {c.id: c for c in chunks}
         return [found[i] for i in wanted if i in found]
 
     def by_source(self, source: str) -> list[Chunk]:
-        """Every chunk whose metadata `source` is this path (as given to `kvrag ingest`)."""
+        """Every chunk whose metadata `source` is this path (as given to `kvrag ingest`): what removing that
+        document deletes, so entries the store key cannot verify are included (never answered: `get`)."""
         result = self._run(lambda coll: coll.get(where={"source": source}, include=["documents", "metadatas"]))
         docs = result.get("documents") or [None] * len(result["ids"])
         metas = result.get("metadatas") or [None] * len(result["ids"])
@@ -397,7 +418,7 @@ class ChunkIndex:
 
     def remove(self, ids: Sequence[str] = (), source: str | None = None) -> list[Chunk]:
         """Delete chunks by id and/or every chunk whose metadata `source` is this path; returns what was deleted."""
-        gone = self.get(ids) if ids else []
+        gone = self._get(ids, verify=False) if ids else []  # an unverified (forged) entry is deleted too
         if source is not None:
             gone += [c for c in self.by_source(source) if c.id not in {g.id for g in gone}]
         if gone:
