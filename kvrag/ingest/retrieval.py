@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvrag.ingest.index_calls import BoundedCalls
 from kvrag.ingest.index_url import (
     EmbeddingMismatchError,
     IndexUnavailableError,
@@ -105,15 +106,20 @@ def indexed_count(path: str | os.PathLike[str] | None, collection: str = "kvrag_
 
     if url is not None:
         where = parse_index_url(url)
-        client = open_http_client(where)
-        with unavailable_as(where.display(where.collection or collection)):
-            try:
-                found = client.get_collection(where.collection or collection)
-            except Exception as exc:
-                if _is_missing(exc):
-                    return 0
-                raise
-            return found.count()
+        name = where.display(where.collection or collection)
+
+        def count() -> int:
+            client = open_http_client(where)
+            with unavailable_as(name):
+                try:
+                    found = client.get_collection(where.collection or collection)
+                except Exception as exc:
+                    if _is_missing(exc):
+                        return 0
+                    raise
+                return int(found.count())
+
+        return BoundedCalls(name).run(count)
     path = os.path.expanduser(os.fspath(path or ""))
     if not os.path.isfile(os.path.join(path, "chroma.sqlite3")):
         return 0
@@ -173,7 +179,8 @@ class ChunkIndex:
     home folder. `url`: `chroma://host:port/collection` (its collection, when named, wins over
     `collection`), what several replicas share: nothing is cached here, so what any of them writes
     every other reads at once. A shared server that does not answer is IndexUnavailableError on the
-    call that needed it (the index reconnects by itself once it is back); a collection whose vectors
+    call that needed it, after at most HTTP_TIMEOUT_S (kvrag.ingest.index_calls; the index reconnects by
+    itself once it is back); a collection whose vectors
     came from another embedding model is EmbeddingMismatchError. Upserts are keyed by chunk id, so
     re-ingesting the same documents is idempotent. `sources_under`: the paths an ingest was given;
     chunks added then record their file's name relative to them (SOURCE_NAME_KEY, what clients see).
@@ -204,10 +211,13 @@ class ChunkIndex:
         # how the last call to the index went: ok, unreachable or mismatch (what /metrics shows without
         # calling the index itself, so a frozen index server never stalls a scrape)
         self.state = "ok"
+        self.last_count: int | None = None  # the entries counted by the last count that answered
         self._client: Any = None
         self._coll: Any = None
+        self._calls: BoundedCalls | None = None
         if self._where is not None:
             self.path = self._where.display(collection)  # what messages name: never a credential
+            self._calls = BoundedCalls(self.path)
             try:
                 self._connect()
             except IndexUnavailableError:  # a replica may start before its index server: 503s until it answers
@@ -248,10 +258,14 @@ class ChunkIndex:
             raise
         self.state = "ok"
 
+    def _bounded(self, fn: Callable[[], T]) -> T:
+        """`fn()`, a call to a shared index server bounded in time (kvrag.ingest.index_calls); as it is for an embedded one."""
+        return fn() if self._calls is None else self._calls.run(fn)
+
     def _connect(self) -> Any:
         """Open (or reopen) the collection and check that its vectors are this build's."""
         with self._observed():
-            return self._open()
+            return self._bounded(self._open)
 
     def _open(self) -> Any:
         if self._where is not None and self._client is None:
@@ -283,7 +297,11 @@ class ChunkIndex:
     def _run(self, op: Callable[[Any], T]) -> T:
         """`op(collection)`, transport failures as IndexUnavailableError; a collection the server no
         longer knows (restarted on an empty folder, dropped) is opened again once."""
-        with self._observed(), unavailable_as(self.path):
+        with self._observed():
+            return self._bounded(lambda: self._run_here(op))
+
+    def _run_here(self, op: Callable[[Any], T]) -> T:
+        with unavailable_as(self.path):
             coll = self._collection
             try:
                 return op(coll)
@@ -312,8 +330,8 @@ class ChunkIndex:
         items = [self._named(c) for c in latest.values()]
         # Chroma rejects batches over its own limit.
         try:
-            with self._observed(), unavailable_as(self.path):
-                batch_size = min(batch_size, int(self._client.get_max_batch_size()))
+            with self._observed():
+                batch_size = min(batch_size, self._bounded(self._max_batch_size))
         except IndexUnavailableError:
             raise
         except Exception:  # pragma: no cover - older clients lack the call
@@ -331,6 +349,10 @@ class ChunkIndex:
                 metadatas=[self._entry_metadata(c) for c in batch],  # type: ignore[misc]
             ))
         return len(items)
+
+    def _max_batch_size(self) -> int:
+        with unavailable_as(self.path):
+            return int(self._client.get_max_batch_size())
 
     def _drop_stale_metadata(self, batch: list[Chunk]) -> None:
         """Chroma's upsert merges metadata: a key the new chunk lacks would survive from the old one (a
@@ -426,7 +448,18 @@ class ChunkIndex:
         return gone
 
     def __len__(self) -> int:
-        return int(self._run(lambda coll: coll.count()))
+        self.last_count = int(self._run(lambda coll: coll.count()))
+        return self.last_count
+
+    def refresh(self, wait_s: float) -> None:
+        """Bring `state` and `last_count` up to date without waiting past `wait_s` (what /health calls):
+        a shared index is counted in the background, one count at a time, so a frozen server leaves both
+        as last known until its call's bound passes (then `state` is unreachable); an embedded one now."""
+        if self._calls is None:
+            with contextlib.suppress(Exception):  # the outcome is in `state`
+                len(self)
+            return
+        self._calls.refresh(lambda: len(self), wait_s)
 
     def __repr__(self) -> str:
         return f"ChunkIndex(path={self.path!r}, collection={self.collection_name!r})"
