@@ -103,3 +103,51 @@ def test_a_frozen_index_is_a_bounded_503_and_health_answers_at_once(chroma, home
         r = http.post("/v1/chat/completions", json=chat(QUESTION))
         assert r.status_code == 200 and [s["id"] for s in r.json()["kvrag_sources"]] == ["owl"]
         assert http.get("/health").json()["index"]["state"] == "ok"
+
+
+
+def test_bounded_calls_give_up_refuse_while_overdue_and_recover():
+    from kvrag.ingest.index_calls import BoundedCalls
+    from kvrag.ingest.index_url import IndexUnavailableError
+
+    calls, resume = BoundedCalls("chroma://test:1/c", bound_s=0.3), threading.Event()
+    assert calls.run(lambda: calls.run(lambda: 7)) == 7  # a call within a call runs inline
+    with pytest.raises(ZeroDivisionError):
+        calls.run(lambda: 1 / 0)  # the call's own error, as it is
+    t0 = time.monotonic()
+    with pytest.raises(IndexUnavailableError, match="did not answer within 0.3 s"):
+        calls.run(resume.wait)  # a server that never answers
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    with pytest.raises(IndexUnavailableError, match="has not answered"):
+        calls.run(lambda: 1)  # refused at once while that call is outstanding
+    assert time.monotonic() - t0 < 0.1
+    resume.set()  # the server answers it: calls go through again
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            assert calls.run(lambda: 2) == 2
+            break
+        except IndexUnavailableError:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+
+def test_refresh_waits_briefly_and_runs_one_probe_at_a_time():
+    from kvrag.ingest.index_calls import BoundedCalls
+
+    calls, resume, started = BoundedCalls("chroma://test:1/c", bound_s=5), threading.Event(), []
+
+    def probe() -> None:
+        started.append(1)
+        resume.wait()
+
+    for _ in range(3):
+        t0 = time.monotonic()
+        calls.refresh(probe, wait_s=0.1)
+        assert time.monotonic() - t0 < 1.0
+    assert len(started) == 1  # the first is still running: no second probe piles up
+    resume.set()
+    time.sleep(0.2)
+    calls.refresh(probe, wait_s=1.0)
+    assert len(started) == 2

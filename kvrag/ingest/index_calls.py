@@ -68,7 +68,7 @@ class BoundedCalls:
     def _late(self, done: Future) -> None:
         with self._lock:
             if not self._overdue:
-                self._overdue_since = time.monotonic()
+                self._overdue_since = time.monotonic() - self.bound_s  # when the call was made
             self._overdue += 1
         done.add_done_callback(self._answered)  # at once if it finished meanwhile
 
