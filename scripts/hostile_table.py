@@ -19,7 +19,9 @@ of a folder it did not make, and an ingest of a folder holding a FIFO and a blan
 tenant rows (scripts/hostile_tenants.py: a third server with a write and a read key over a real
 `chroma run`): guesses at another key's inline secret through the caches, index entries that must not
 refuse a question, a truncated entry and a lost link asked by id, a replace the index refuses
-mid-request, the start-up refusals and `gc --unverified` beside another key's entries.
+mid-request, an edited and a forged index entry behind a server whose index is signed with a store key
+(never answered nor credited), `chroma run` frozen by SIGSTOP (/health within 1 s, a 503 within the 10 s
+bound), the start-up refusals and `gc --unverified` beside another key's entries.
 
     python scripts/hostile_table.py [--model tiny|bundled] [--out DIR]
 

@@ -3,8 +3,10 @@
 A server with a write key and a read key over a disk store and a real `chroma run` index, the same tiny
 engine: one tenant's inline secret guessed by another through the caches, a salt given twice, index
 entries no one should be refused for (no text, 60k characters, two chunks that do not fit together), a
-truncated `.kv` entry and a lost id link asked by id, a replace the index refuses mid-request, and the
-start-up refusals and store commands of the same probe. Each case returns (what it saw, verdict) and is
+truncated `.kv` entry and a lost id link asked by id, a replace the index refuses mid-request, an edited and
+a forged index entry under a keyed server (a second one, on its own collection of the same `chroma run`,
+signing with a store key), the index server frozen by SIGSTOP, and the start-up refusals and store
+commands of the same probe. Each case returns (what it saw, verdict) and is
 run by hostile_store.run_case: ok, CRASH, HANG, WRONG (a leak, a wrong answer, a refusal that should not
 be, or none where one should be), LOST.
 """
@@ -12,6 +14,8 @@ be, or none where one should be), LOST.
 from __future__ import annotations
 
 import os
+import signal
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,8 @@ class TenantCtx:
     chroma: ChromaProcess
     root: Path  # the disk store
     tmp: Path
+    keyed_url: str = ""  # a second server whose index signs and verifies entries with KEYED_INDEX_KEY
+    keyed_index: Any = None
     lost: int = 0
 
     def post(self, path: str, body: dict, key: str = WRITE) -> httpx.Response:
@@ -172,6 +178,75 @@ def stopped_index_replace(ctx: TenantCtx) -> tuple[str, str | None]:
     return f"{r.status_code} {r.json().get('error', {}).get('code')}; by id: the old text {by_id == want}", None if whole else "WRONG"
 
 
+KEYED_INDEX_KEY = "hostile-tenant store key"
+BRIDGE = {"id": "bridge", "text": "The Quillon Bridge opened in 1887, built by the city.", "title": "Quillon Bridge",
+          "source": "/srv/docs/bridges.md", "source_name": "bridges.md"}
+FORGED = "The Quillon Bridge opened in 1492, built by pirates."
+
+
+def _unverified(ctx: TenantCtx) -> float:
+    text = httpx.get(ctx.keyed_url + "/metrics", headers={"Authorization": f"Bearer {READ}"}, timeout=20, trust_env=False).text
+    return float(next(x for x in text.splitlines() if x.startswith("kvrag_index_unverified_entries ")).split()[1])
+
+
+def forged_index(edit: Callable[[Any, list[float]], str]) -> Callable[[TenantCtx], tuple[str, str | None]]:
+    """An index entry edited or added straight in Chroma, behind a keyed server: never answered nor credited."""
+    def case(ctx: TenantCtx) -> tuple[str, str | None]:
+        post = lambda path, body, key=WRITE: httpx.post(ctx.keyed_url + path, json=body, headers={"Authorization": f"Bearer {key}"},  # noqa: E731
+                                                         timeout=20, trust_env=False)
+        post("/v1/chunks", {"chunks": [BRIDGE, OWL], "replace": True}).raise_for_status()
+        coll = ctx.keyed_index._collection
+        vector = list(coll.get(ids=["bridge"], include=["embeddings"])["embeddings"][0])
+        forged_id = edit(coll, vector)
+        before = _unverified(ctx)
+        r = post("/v1/chat/completions", _ask("When did the Quillon Bridge open?", cite=True), key=READ)
+        try:
+            coll.delete(ids=[forged_id])
+        finally:
+            post("/v1/chunks", {"chunks": [BRIDGE], "replace": True})  # the genuine entry back, signed
+        if r.status_code != 200:
+            return f"{r.status_code} {r.text[:70]}", "WRONG"
+        ids = [x["id"] for x in r.json()["kvrag_sources"]]
+        text, counted = r.json()["choices"][0]["message"]["content"], _unverified(ctx) - before
+        served = forged_id in ids or "quillon.md" in text or FORGED in text
+        return f"200, sources {ids}, unverified +{counted:g}", None if not served and counted >= 1 and "owl" in ids else "WRONG"
+    return case
+
+
+def _edited(coll: Any, vector: list[float]) -> str:
+    coll.update(ids=["bridge"], documents=[FORGED], embeddings=[vector])
+    return "bridge"
+
+
+def _added(coll: Any, vector: list[float]) -> str:
+    coll.upsert(ids=["quillon"], embeddings=[vector], documents=[FORGED], metadatas=[{"title": "Quillon Bridge", "source_name": "quillon.md"}])
+    return "quillon"
+
+
+def frozen_index(ctx: TenantCtx) -> tuple[str, str | None]:
+    """`chroma run` frozen by SIGSTOP: /health within 1 s (the last known state), a retrieving request a 503
+    within the 10 s bound (plus a margin), and answers again once it is resumed."""
+    from kvrag.ingest.index_url import HTTP_TIMEOUT_S
+
+    get = lambda path: httpx.get(ctx.url + path, timeout=20, trust_env=False)  # noqa: E731
+    ctx.chroma.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        get("/health").raise_for_status()
+        health_s, t0 = time.monotonic() - t0, time.monotonic()
+        r = ctx.post("/v1/chat/completions", _ask(), key=READ)
+        ask_s = time.monotonic() - t0
+    finally:
+        ctx.chroma.signal(signal.SIGCONT)
+    code = r.json().get("error", {}).get("code")
+    deadline, back = time.monotonic() + 10, 0
+    while back != 200 and time.monotonic() < deadline:  # the calls left waiting on the frozen server finish first
+        back = ctx.post("/v1/chat/completions", _ask(), key=READ).status_code
+        time.sleep(0 if back == 200 else 0.2)
+    ok = health_s < 1.0 and code == "index_unavailable" and ask_s < HTTP_TIMEOUT_S + 3 and back == 200
+    return f"/health {health_s:.2f} s; {r.status_code} {code} in {ask_s:.1f} s; resumed: {back}", None if ok else "WRONG"
+
+
 def refused_at_start(ctx: TenantCtx) -> tuple[str, str | None]:
     from kvrag.server import ServerSettings
 
@@ -228,6 +303,9 @@ CASES: list[tuple[str, Callable[[TenantCtx], tuple[str, str | None]]]] = [
     ("truncated .kv entry, asked by id by a replica that never saw it", truncated_entry),
     ("store lost an id's link (index holds it), asked by id", lost_link),
     ("replace while `chroma run` is killed mid-request", stopped_index_replace),
+    ("keyed server: an index entry's text edited in Chroma (col.update)", forged_index(_edited)),
+    ("keyed server: a forged index entry crediting quillon.md", forged_index(_added)),
+    ("`chroma run` frozen (SIGSTOP): /health, a retrieving request", frozen_index),
     ("start-up: non-ASCII key, open 0.0.0.0, KVRAG_API_KEYS=' , '", refused_at_start),
     ("`gc --unverified` under key A beside key B's entry", gc_foreign),
 ]
@@ -248,12 +326,16 @@ def tenant_rows(tmp: Path, engine: Callable[[str], Any], settings: Any, start_se
     index = ChunkIndex(url=chroma.url)
     keyed = dataclasses.replace(settings, api_keys=(WRITE,), read_keys=(READ,), max_request_tokens=200_000)
     server, thread, url = start_server(create_app(rag, keyed, index))
+    signed = ChunkIndex(url=f"chroma://127.0.0.1:{chroma.port}/kvrag_keyed", key=KEYED_INDEX_KEY)
+    server2, thread2, url2 = start_server(create_app(engine(f"disk://{tmp / 'tenant-kv-keyed'}"), keyed, signed))
     try:
-        ctx = TenantCtx(url, rag, index, chroma, root, tmp)
+        ctx = TenantCtx(url, rag, index, chroma, root, tmp, url2, signed)
         ctx.post("/v1/chunks", {"chunks": [OWL]}).raise_for_status()
         rows = [run_case(label, fn, ctx) for label, fn in CASES]  # type: ignore[arg-type]
         return rows, ctx.lost
     finally:
-        server.should_exit = True
-        thread.join(10)
+        for s, t in ((server, thread), (server2, thread2)):
+            s.should_exit = True
+            t.join(10)
+        chroma.signal(signal.SIGCONT)
         chroma.kill9()

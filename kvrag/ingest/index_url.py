@@ -16,8 +16,11 @@ __all__ = ["EmbeddingMismatchError", "IndexURL", "IndexUnavailableError", "parse
 
 SCHEME = "chroma"
 DEFAULT_PORT = 8000  # `chroma run`'s own default
-HTTP_TIMEOUT_S = 10.0  # chromadb's HTTP client waits forever by default: a frozen server would hang every request
+HTTP_TIMEOUT_S = 10.0  # the most a caller waits for one call (kvrag.ingest.index_calls): chromadb's client waits forever
 CONNECT_TIMEOUT_S = 3.0
+# httpx's own read timeout, past the callers' bound: a call its caller gave up on stays outstanding that long at most,
+# and meanwhile new calls are refused at once (index_calls) rather than each waiting the bound again
+READ_TIMEOUT_S = 3 * HTTP_TIMEOUT_S
 
 
 class IndexUnavailableError(KVRagError):
@@ -65,7 +68,8 @@ def parse_index_url(url: str) -> IndexURL:
 
 def open_http_client(where: IndexURL) -> Any:
     """chromadb's HttpClient for `where`, with bounded timeouts; IndexUnavailableError when nothing
-    answers there."""
+    answers there. Callers bound the wait for it (kvrag.ingest.index_calls): the client's first requests
+    are made before its timeouts can be set."""
     import chromadb
 
     try:
@@ -74,10 +78,10 @@ def open_http_client(where: IndexURL) -> Any:
         raise IndexUnavailableError(f"cannot reach the index server at chroma://{where.host}:{where.port} ({exc}); "
                                     "is `chroma run` running there?") from None
     session = getattr(getattr(client, "_server", None), "_session", None)
-    if session is not None:  # bounded waits: a frozen server is an error after HTTP_TIMEOUT_S, not a hang
+    if session is not None:  # a call left behind by its caller (index_calls) ends, not a thread held forever
         import httpx
 
-        session.timeout = httpx.Timeout(HTTP_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        session.timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
     return client
 
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvrag.ingest.index_calls import BoundedCalls
 from kvrag.ingest.index_url import (
     EmbeddingMismatchError,
     IndexUnavailableError,
@@ -26,6 +27,7 @@ from kvrag.ingest.index_url import (
     parse_index_url,
     unavailable_as,
 )
+from kvrag.ingest.index_trust import MAC_FIELD, index_key, signed_metadata, verified_entry
 from kvrag.types import Chunk
 
 # Set before sentence-transformers / huggingface_hub are imported anywhere below, so a local
@@ -83,7 +85,7 @@ def _simple_metadata(chunk: Chunk) -> dict[str, str | int | float | bool]:
     """Chroma metadata for a chunk: its title plus the metadata values Chroma can store."""
     meta: dict[str, str | int | float | bool] = {}
     for key, value in (chunk.metadata or {}).items():
-        if isinstance(key, str) and key != _TITLE_KEY and isinstance(value, (str, int, float, bool)):
+        if isinstance(key, str) and key not in (_TITLE_KEY, MAC_FIELD) and isinstance(value, (str, int, float, bool)):
             meta[key] = value
     meta[_TITLE_KEY] = chunk.title or ""
     return meta
@@ -91,6 +93,7 @@ def _simple_metadata(chunk: Chunk) -> dict[str, str | int | float | bool]:
 
 def _to_chunk(id_: str, document: str | None, metadata: Mapping[str, Any] | None) -> Chunk:
     meta = dict(metadata or {})
+    meta.pop(MAC_FIELD, None)  # the store key's business (kvrag.ingest.index_trust), never a chunk's own
     title = meta.pop(_TITLE_KEY, "")
     return Chunk(id=id_, text=document or "", title=str(title or ""), metadata=meta)
 
@@ -103,15 +106,20 @@ def indexed_count(path: str | os.PathLike[str] | None, collection: str = "kvrag_
 
     if url is not None:
         where = parse_index_url(url)
-        client = open_http_client(where)
-        with unavailable_as(where.display(where.collection or collection)):
-            try:
-                found = client.get_collection(where.collection or collection)
-            except Exception as exc:
-                if _is_missing(exc):
-                    return 0
-                raise
-            return found.count()
+        name = where.display(where.collection or collection)
+
+        def count() -> int:
+            client = open_http_client(where)
+            with unavailable_as(name):
+                try:
+                    found = client.get_collection(where.collection or collection)
+                except Exception as exc:
+                    if _is_missing(exc):
+                        return 0
+                    raise
+                return int(found.count())
+
+        return BoundedCalls(name).run(count)
     path = os.path.expanduser(os.fspath(path or ""))
     if not os.path.isfile(os.path.join(path, "chroma.sqlite3")):
         return 0
@@ -171,10 +179,14 @@ class ChunkIndex:
     home folder. `url`: `chroma://host:port/collection` (its collection, when named, wins over
     `collection`), what several replicas share: nothing is cached here, so what any of them writes
     every other reads at once. A shared server that does not answer is IndexUnavailableError on the
-    call that needed it (the index reconnects by itself once it is back); a collection whose vectors
+    call that needed it, after at most HTTP_TIMEOUT_S (kvrag.ingest.index_calls; the index reconnects by
+    itself once it is back); a collection whose vectors
     came from another embedding model is EmbeddingMismatchError. Upserts are keyed by chunk id, so
     re-ingesting the same documents is idempotent. `sources_under`: the paths an ingest was given;
     chunks added then record their file's name relative to them (SOURCE_NAME_KEY, what clients see).
+    `key`: the store key (default `$KVRAG_STORE_KEY`; "" for none): with one, every entry written is
+    signed and an entry read back whose MAC is missing or wrong is skipped by `query`, `query_many` and
+    `get`, counted and its id logged (kvrag.ingest.index_trust), never answered nor credited.
     """
 
     def __init__(
@@ -183,8 +195,10 @@ class ChunkIndex:
         collection: str = "kvrag_chunks",
         url: str | None = None,
         sources_under: Sequence[str | os.PathLike[str]] = (),
+        key: Any = None,
     ) -> None:
         self._where: IndexURL | None = None
+        self._key = index_key(key)
         if url is not None:
             if path is not None:
                 raise ValueError("ChunkIndex: give either path (an embedded index) or url (a shared one), not both")
@@ -197,10 +211,13 @@ class ChunkIndex:
         # how the last call to the index went: ok, unreachable or mismatch (what /metrics shows without
         # calling the index itself, so a frozen index server never stalls a scrape)
         self.state = "ok"
+        self.last_count: int | None = None  # the entries counted by the last count that answered
         self._client: Any = None
         self._coll: Any = None
+        self._calls: BoundedCalls | None = None
         if self._where is not None:
             self.path = self._where.display(collection)  # what messages name: never a credential
+            self._calls = BoundedCalls(self.path)
             try:
                 self._connect()
             except IndexUnavailableError:  # a replica may start before its index server: 503s until it answers
@@ -241,10 +258,14 @@ class ChunkIndex:
             raise
         self.state = "ok"
 
+    def _bounded(self, fn: Callable[[], T]) -> T:
+        """`fn()`, a call to a shared index server bounded in time (kvrag.ingest.index_calls); as it is for an embedded one."""
+        return fn() if self._calls is None else self._calls.run(fn)
+
     def _connect(self) -> Any:
         """Open (or reopen) the collection and check that its vectors are this build's."""
         with self._observed():
-            return self._open()
+            return self._bounded(self._open)
 
     def _open(self) -> Any:
         if self._where is not None and self._client is None:
@@ -276,7 +297,11 @@ class ChunkIndex:
     def _run(self, op: Callable[[Any], T]) -> T:
         """`op(collection)`, transport failures as IndexUnavailableError; a collection the server no
         longer knows (restarted on an empty folder, dropped) is opened again once."""
-        with self._observed(), unavailable_as(self.path):
+        with self._observed():
+            return self._bounded(lambda: self._run_here(op))
+
+    def _run_here(self, op: Callable[[Any], T]) -> T:
+        with unavailable_as(self.path):
             coll = self._collection
             try:
                 return op(coll)
@@ -305,8 +330,8 @@ class ChunkIndex:
         items = [self._named(c) for c in latest.values()]
         # Chroma rejects batches over its own limit.
         try:
-            with self._observed(), unavailable_as(self.path):
-                batch_size = min(batch_size, int(self._client.get_max_batch_size()))
+            with self._observed():
+                batch_size = min(batch_size, self._bounded(self._max_batch_size))
         except IndexUnavailableError:
             raise
         except Exception:  # pragma: no cover - older clients lack the call
@@ -321,19 +346,32 @@ class ChunkIndex:
                 ids=[c.id for c in batch],
                 documents=[c.text for c in batch],
                 embeddings=vectors,
-                metadatas=[_simple_metadata(c) for c in batch],  # type: ignore[misc]
+                metadatas=[self._entry_metadata(c) for c in batch],  # type: ignore[misc]
             ))
         return len(items)
+
+    def _max_batch_size(self) -> int:
+        with unavailable_as(self.path):
+            return int(self._client.get_max_batch_size())
 
     def _drop_stale_metadata(self, batch: list[Chunk]) -> None:
         """Chroma's upsert merges metadata: a key the new chunk lacks would survive from the old one (a
         replaced chunk would still name the old file as its source). Delete such entries first."""
         result = self._run(lambda coll: coll.get(ids=[c.id for c in batch], include=["metadatas"]))
         metas = result.get("metadatas") or [None] * len(result["ids"])
-        new_keys = {c.id: set(_simple_metadata(c)) for c in batch}
+        new_keys = {c.id: set(self._entry_metadata(c)) for c in batch}
         stale = [i for i, m in zip(result["ids"], metas) if set(m or {}) - new_keys[i]]
         if stale:
             self._run(lambda coll: coll.delete(ids=stale))
+
+    def _entry_metadata(self, chunk: Chunk) -> dict[str, Any]:
+        """What Chroma keeps beside a chunk's text: its simple metadata, signed when there is a key."""
+        return signed_metadata(self._key, chunk.id, chunk.text, _simple_metadata(chunk))
+
+    def _trusted(self, ids: Sequence[str], docs: Sequence[Any], metas: Sequence[Any]) -> list[Chunk]:
+        """The entries the store key vouches for, as chunks (all of them without a key; the rest skipped,
+        counted and named in the log: kvrag.ingest.index_trust)."""
+        return [_to_chunk(i, d, m) for i, d, m in zip(ids, docs, metas) if verified_entry(self._key, i, d, m)]
 
     def _named(self, chunk: Chunk) -> Chunk:
         """The chunk with its file's name relative to the ingested folders recorded (when known)."""
@@ -348,7 +386,7 @@ class ChunkIndex:
             docs = result.get("documents") or [None] * len(result["ids"])
             metas = result.get("metadatas") or [None] * len(result["ids"])
             stored.update((i, (d, dict(m or {}))) for i, d, m in zip(result["ids"], docs, metas))
-        return [c for c in items if stored.get(c.id) != (c.text, _simple_metadata(c))]
+        return [c for c in items if stored.get(c.id) != (c.text, self._entry_metadata(c))]  # unsigned ones: signed now
 
     def query(self, question: str, k: int = 5) -> list[Chunk]:
         """The k chunks closest in meaning to `question`, best first ([] if the index is empty)."""
@@ -374,22 +412,27 @@ class ChunkIndex:
         for row, ids in enumerate(result["ids"]):
             docs = (result.get("documents") or [[None] * len(ids)] * len(questions))[row]
             metas = (result.get("metadatas") or [[None] * len(ids)] * len(questions))[row]
-            out.append([_to_chunk(i, d, m) for i, d, m in zip(ids, docs, metas)])
+            out.append(self._trusted(ids, docs, metas))
         return out
 
     def get(self, ids: Sequence[str]) -> list[Chunk]:
-        """Chunks by id, in the order asked; ids not in the index are skipped."""
+        """Chunks by id, in the order asked; ids not in the index (or, with a key, not verified) are skipped."""
+        return self._get(ids, verify=True)
+
+    def _get(self, ids: Sequence[str], verify: bool) -> list[Chunk]:
         wanted = list(ids)
         if not wanted:
             return []
         result = self._run(lambda coll: coll.get(ids=list(dict.fromkeys(wanted)), include=["documents", "metadatas"]))
         docs = result.get("documents") or [None] * len(result["ids"])
         metas = result.get("metadatas") or [None] * len(result["ids"])
-        found = {i: _to_chunk(i, d, m) for i, d, m in zip(result["ids"], docs, metas)}
+        chunks = self._trusted(result["ids"], docs, metas) if verify else map(_to_chunk, result["ids"], docs, metas)
+        found = {c.id: c for c in chunks}
         return [found[i] for i in wanted if i in found]
 
     def by_source(self, source: str) -> list[Chunk]:
-        """Every chunk whose metadata `source` is this path (as given to `kvrag ingest`)."""
+        """Every chunk whose metadata `source` is this path (as given to `kvrag ingest`): what removing that
+        document deletes, so entries the store key cannot verify are included (never answered: `get`)."""
         result = self._run(lambda coll: coll.get(where={"source": source}, include=["documents", "metadatas"]))
         docs = result.get("documents") or [None] * len(result["ids"])
         metas = result.get("metadatas") or [None] * len(result["ids"])
@@ -397,7 +440,7 @@ class ChunkIndex:
 
     def remove(self, ids: Sequence[str] = (), source: str | None = None) -> list[Chunk]:
         """Delete chunks by id and/or every chunk whose metadata `source` is this path; returns what was deleted."""
-        gone = self.get(ids) if ids else []
+        gone = self._get(ids, verify=False) if ids else []  # an unverified (forged) entry is deleted too
         if source is not None:
             gone += [c for c in self.by_source(source) if c.id not in {g.id for g in gone}]
         if gone:
@@ -405,7 +448,18 @@ class ChunkIndex:
         return gone
 
     def __len__(self) -> int:
-        return int(self._run(lambda coll: coll.count()))
+        self.last_count = int(self._run(lambda coll: coll.count()))
+        return self.last_count
+
+    def refresh(self, wait_s: float) -> None:
+        """Bring `state` and `last_count` up to date without waiting past `wait_s` (what /health calls):
+        a shared index is counted in the background, one count at a time, so a frozen server leaves both
+        as last known until its call's bound passes (then `state` is unreachable); an embedded one now."""
+        if self._calls is None:
+            with contextlib.suppress(Exception):  # the outcome is in `state`
+                len(self)
+            return
+        self._calls.refresh(lambda: len(self), wait_s)
 
     def __repr__(self) -> str:
         return f"ChunkIndex(path={self.path!r}, collection={self.collection_name!r})"

@@ -86,24 +86,23 @@ def default_of(rag: Any) -> dict[str, Any]:
     return {"state": "calibrating"} if setting is None else {"state": "ok", **setting.as_dict()}
 
 
+HEALTH_INDEX_WAIT_S = 0.5  # how long /health waits for a fresh count of a shared index before it says the last known
+
+
 def index_and_counts(state: ServerState) -> tuple[dict[str, Any], dict[str, int | None]]:
     """What `/health` says of the retrieval index (`kind`: embedded, chroma:// or null; `state`: ok,
     off, unreachable or mismatch: no host, path or key) and of the chunks: `retrievable`, in that index
-    (null: retrieval off or the index unreachable); `ids_in_store`, ids the store's node-id index
+    (null: retrieval off or the index not ok); `ids_in_store`, ids the store's node-id index
     answers (any replica's, any model's sharing the store; null where not cheap to count);
-    `registered_here`, ids this process has seen."""
-    from kvrag.ingest.index_url import EmbeddingMismatchError, IndexUnavailableError
-
+    `registered_here`, ids this process has seen. A shared index is never waited for past
+    HEALTH_INDEX_WAIT_S (ChunkIndex.refresh): a frozen index server is reported as last known, and as
+    unreachable once a call to it has passed its bound."""
     index: dict[str, Any] = {"kind": None, "state": "off"}
     retrievable: int | None = None
     if state.index is not None:
-        index = {"kind": getattr(state.index, "kind", "embedded"), "state": "ok"}
-        try:
-            retrievable = len(state.index)
-        except IndexUnavailableError:
-            index["state"] = "unreachable"
-        except EmbeddingMismatchError:
-            index["state"] = "mismatch"
+        state.index.refresh(HEALTH_INDEX_WAIT_S)
+        index = {"kind": getattr(state.index, "kind", "embedded"), "state": index_state_of(state.index)}
+        retrievable = state.index.last_count if index["state"] == "ok" else None
     counts = {"retrievable": retrievable, "ids_in_store": state.rag.repo.store_index_size(),
               "registered_here": len(state.rag.repo.chunks)}
     return index, counts

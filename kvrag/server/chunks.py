@@ -89,7 +89,8 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
         if state.index is not None:  # retrievable by chat requests without context, as `kvrag ingest` leaves them
             missing = set(report.not_stored)  # as kvrag ingest: the index holds only chunks whose KV is stored
             # a chunk the index holds as it is keeps its entry (an ingested file's source stays its own); a new or
-            # replaced one is written whole: its source and title are this request's, never the old file's
+            # replaced one, or one the index lacks or the store key cannot verify there (LINKED: written signed
+            # now), is written whole: its source and title are this request's, never the old file's
             fresh = [c for c in chunks if c.id not in missing and held.get(c.id) != SAME]
             try:
                 indexed = state.index.add(fresh) if fresh else 0
@@ -131,7 +132,7 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
     return out
 
 
-SAME, OTHER = "same", "other"
+SAME, OTHER, LINKED = "same", "other", "linked"  # LINKED: this text in the store's links, not (verified) in the index
 SETTLE_ROUNDS = 5
 
 
@@ -156,11 +157,13 @@ def settle(state: ServerState, ids: list[str]) -> None:
 
 
 def holdings(state: ServerState, chunks: list[Chunk], keys: list[str]) -> dict[str, str]:
-    """What these ids hold already, for the ids that hold anything: SAME (this text and title) or OTHER.
+    """What these ids hold already, for the ids that hold anything: SAME (this text and title), OTHER, or
+    LINKED (the store links this text, the index does not hold it: to be indexed).
 
     The retrieval index (shared by every replica when it is a chroma server) is asked first: it has the
-    text, title and source of what `kvrag ingest` and every writer put there. An id it does not hold is
-    looked up in the KV store's node-id index (shared through Redis), which knows the content key.
+    text, title and source of what `kvrag ingest` and every writer put there (with a store key, only the
+    entries the key verifies). An id it does not hold is looked up in the KV store's node-id index
+    (shared through Redis), which knows the content key.
     """
     out: dict[str, str] = {}
     if state.index is not None:
@@ -170,7 +173,7 @@ def holdings(state: ServerState, chunks: list[Chunk], keys: list[str]) -> dict[s
     rest = [(c, k) for c, k in zip(chunks, keys) if c.id not in out]
     for (chunk, key), held in zip(rest, _stored_keys(state.rag, [c.id for c, _ in rest])):
         if held is not None:
-            out[chunk.id] = SAME if held == key else OTHER
+            out[chunk.id] = LINKED if held == key else OTHER
     return out
 
 

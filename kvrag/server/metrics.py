@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 
 from kvrag.cache_backends.trust import unverified_counts
 from kvrag.decode.batch import BatchStats
+from kvrag.ingest.index_trust import unverified_index_count
 from kvrag.kv.prefix_cache import PrefixCacheStats
 from kvrag.server.gate import RequestGate
 from kvrag.types import AnswerStats
@@ -69,6 +70,9 @@ class ServerMetrics:
              "(written without the key or with another): served as misses, never deleted", lambda: unverified_counts()["entries"]),
             ("kvrag_store_unverified_refs", "Id refs read since start-up that $KVRAG_STORE_KEY could not verify: "
              "those ids were misses, never served", lambda: unverified_counts()["refs"]),
+            # a keyed index's entries whose MAC is missing or wrong (kvrag.ingest.index_trust): skipped, kept
+            ("kvrag_index_unverified_entries", "Retrieval index entries read since start-up that $KVRAG_STORE_KEY could "
+             "not verify (no MAC, another key's, or edited): skipped, never answered nor credited", unverified_index_count),
         ):
             Gauge(name, doc, registry=r).set_function(read)
         self.precomputed = Counter("kvrag_ingested_chunks", "Chunks ingested, by outcome", ["outcome"], registry=r)
