@@ -8,6 +8,7 @@ The two-turn conversations of `kvrag eval layout` (kvrag/eval/layout_conversatio
 - LlamaIndex `condense_plus_context` and `context` chat engines over `KVRagLLM` + `KVCacheNodePostprocessor`;
 - a LangChain history chain (system context + history + question, retrieval with the recent user turns) over
   `ChatKVRag`;
+- `kvrag serve` (its app on loopback, retrieving from its own index, top 3) asked by the `openai` package;
 each with the engine's default method and layout (or `--layout`). For every turn two, the reference is the model's
 own chat template (`tokenizer.apply_chat_template`, Full Attention) over the documents that path retrieved for it,
 in a system message, after the same turn one. Also recorded: whether turn two's retrieval found the conversation's
@@ -108,6 +109,58 @@ def langchain_path(rag: Any, docs: dict[str, str], index_dir: Path, max_new_toke
     return run
 
 
+class Documents:
+    """What a path's index holds for the conversation at hand: every document, or only the conversation's own
+    three (as the layout eval gives them: its document among two others)."""
+
+    def __init__(self, index: Any, docs: dict[str, str]) -> None:
+        self.index, self.docs, self.held = index, docs, list(docs)
+
+    def only(self, chunks: list[Any]) -> None:
+        self.index.remove(ids=self.held)
+        self.index.add(chunks)
+        self.held = [c.id for c in chunks]
+
+
+def server_path(rag: Any, docs: dict[str, str], index_dir: Path, max_new_tokens: int,
+                holder: list[Documents] | None = None) -> Callable[[str, str], dict[str, Any]]:
+    """`kvrag serve`'s app (uvicorn on loopback, in this process) retrieving from its own index, asked by the
+    `openai` package as a client would: turn one, then turn two after it. `holder` receives the index's
+    `Documents`, so the caller can narrow it per conversation."""
+    import threading
+
+    import openai
+    import uvicorn
+
+    from kvrag.ingest.retrieval import ChunkIndex
+    from kvrag.server import ServerSettings, create_app
+    from kvrag.types import Chunk
+
+    index = ChunkIndex(index_dir, collection="framework_turns_server")
+    index.add([Chunk(id=k, text=t) for k, t in docs.items()])
+    if holder is not None:
+        holder.append(Documents(index, docs))
+    server = uvicorn.Server(uvicorn.Config(create_app(rag, ServerSettings(), index), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    extra = {"kvrag": {"top_k": K}}
+
+    def run(q1: str, q2: str) -> dict[str, Any]:
+        m = [{"role": "user", "content": q1}]
+        one = client.chat.completions.create(model="kvrag", messages=m, max_tokens=max_new_tokens, extra_body=extra)
+        m += [{"role": "assistant", "content": one.choices[0].message.content}, {"role": "user", "content": q2}]
+        two = client.chat.completions.create(model="kvrag", messages=m, max_tokens=max_new_tokens, extra_body=extra)
+        ids = [s["id"] for s in two.model_extra["kvrag_sources"]]
+        return {"turn1": one.choices[0].message.content.strip(), "turn2": two.choices[0].message.content.strip(), "query2": q2,
+                "ids2": ids, "texts2": [docs[i] for i in ids], "path2": "kvrag serve"}
+
+    return run
+
+
 def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for name in dict.fromkeys(r["framework"] for r in records):
@@ -123,7 +176,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = ["# Turn two through the frameworks, against the model's own chat template over the same documents", "",
              f"`{meta['command']}`", "",
              f"Machine: {meta['machine']}; bundled SmolLM2-135M-Instruct, greedy, {meta['max_new_tokens']} new tokens at most; "
-             f"{meta['n']} two-turn conversations of `kvrag eval layout` over their 16 documents in one index, top {K}; the engine's "
+             f"{meta['n']} two-turn conversations of `kvrag eval layout` over {meta.get('documents', 'their 16 documents in one index')}, top {K}; the engine's "
              f"default method, layout `{meta['layout']}`. \"template\" = the model's own chat template over the documents that path "
              "retrieved for turn two, in a system message, after the same turn one (Full Attention). \"gold retrieved\" = turn two's "
              "retrieval found the conversation's document.", "",
@@ -142,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--layout", default=None, help="a layout preset, JSON or file (default: the engine's default)")
+    p.add_argument("--paths", default=None, help="comma-separated path names to run (default: all); 'server' = kvrag serve")
+    p.add_argument("--own-documents", action="store_true",
+                   help="the server's index holds only the conversation's own three documents (its retrieval returns all three)")
     args = p.parse_args(argv)
 
     from kvrag import KVRag
@@ -158,9 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="kvrag-frameworks-") as tmp:
-        paths = {**llama_index_paths(rag, docs, args.max_new_tokens),
-                 "LangChain history chain": langchain_path(rag, docs, Path(tmp) / "chroma", args.max_new_tokens)}
+        holder: list[Documents] = []
+        server = "kvrag serve, openai client" + (" (its three documents)" if args.own_documents else "")
+        wanted = set(args.paths.split(",")) if args.paths else None
+        paths: dict[str, Callable[[str, str], dict[str, Any]]] = {}
+        if wanted is None or "server" in wanted:
+            paths[server] = server_path(rag, docs, Path(tmp) / "server-chroma", args.max_new_tokens, holder)
+        if wanted is None or wanted & {"llama_index", "langchain"}:
+            paths.update(llama_index_paths(rag, docs, args.max_new_tokens))
+            paths["LangChain history chain"] = langchain_path(rag, docs, Path(tmp) / "chroma", args.max_new_tokens)
         for case in cases:
+            if args.own_documents and holder:
+                holder[0].only(case.chunks)
             (q1, gold1), (q2, gold2) = case.turns
             for name, run in paths.items():
                 got = run(q1, q2)
@@ -173,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(records)
     meta = {"command": "python scripts/framework_turns.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": hardware_line(hardware()), "max_new_tokens": args.max_new_tokens, "n": len(cases),
-            "layout": args.layout or "default", "layout_options": rag.layout.options.describe(), "seconds": time.time() - t0}
+            "layout": args.layout or "default",
+            "documents": "each conversation's own three documents in the server's index, every other path's index holding all 16"
+            if args.own_documents else "their 16 documents in one index", "layout_options": rag.layout.options.describe(), "seconds": time.time() - t0}
     (out / "frameworks.json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1), encoding="utf-8")
     (out / "frameworks.md").write_text(markdown(rows, meta), encoding="utf-8")
     print(markdown(rows, meta))
