@@ -17,8 +17,10 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from kvrag.ingest.retrieval import ChunkIndex  # noqa: E402
+from kvrag import KVRag, from_model  # noqa: E402
+from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from kvrag.server import create_app  # noqa: E402
-from test_server import SETTINGS, LiveServer, chat, sse_events, tiny_rag  # noqa: E402
+from test_server import SETTINGS, LiveServer, chat, sse_events  # noqa: E402
 
 QUESTION = "When do owls hunt at night?"
 OWL = {"id": "owl", "text": "Owls hunt at night in the quiet forest.", "title": "Owls"}
@@ -27,7 +29,8 @@ OWL = {"id": "owl", "text": "Owls hunt at night in the quiet forest.", "title": 
 @pytest.fixture
 def served(tmp_path):
     index = ChunkIndex(tmp_path / "chroma")
-    rag = tiny_rag()
+    # titles in the prompt (the default layout leaves them out): a 20k-character one must not fit
+    rag = KVRag(from_model(tiny_model("llama"), tiny_tokenizer()), store="memory://", layout={"chunk_template": "{title}\n{text}\n"})
     with LiveServer(create_app(rag, SETTINGS, index)) as live, httpx.Client(base_url=live.url, timeout=120, trust_env=False) as http:
         assert http.post("/v1/chunks", json={"chunks": [OWL]}).status_code == 200
         yield http, index, rag
