@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["tiny", "bundled"], default="tiny")
     p.add_argument("--out", type=Path, default=None, help="write hostile.md and hostile.json here")
     args = p.parse_args(argv)
+    # the mechanics of reuse under hostile input, not a model's calibrated choice (a random tiny model's
+    # calibration would make every default request Full Attention, and no chunk would answer from its KV)
+    os.environ.setdefault("KVRAG_CALIBRATE", "0")
     with tempfile.TemporaryDirectory(prefix="kvrag-hostile-") as tmp:
         store = f"disk://{tmp}/kv"
         rag = tiny_engine(store) if args.model == "tiny" else KVRag.from_pretrained(store=store, check=False)
