@@ -11,7 +11,7 @@ from kvrag.errors import KVRagError
 
 def cmd_eval_calibration(args: argparse.Namespace) -> int:
     from kvrag.cli.bench_run import drop_default_store, run_store
-    from kvrag.eval.calibration_eval import collect, run_calibration_eval, write
+    from kvrag.eval.calibration_eval import collect, judge_calibrated_default, write
     from kvrag.eval.runner import hardware
     from kvrag.eval.suite import SETS
 
@@ -32,7 +32,7 @@ def cmd_eval_calibration(args: argparse.Namespace) -> int:
         rag = KVRag.from_pretrained(args.model, store=args.store or run_store(out, "kvrag eval calibration"), device=args.device,
                                     link_adapter="links")
         print(f"default for this model: {rag.default_setting.note()}", file=sys.stderr)
-        result = run_calibration_eval(rag, sets, lengths, out, Path(args.data_dir), args.n)
+        result = judge_calibrated_default(rag, sets, lengths, out, Path(args.data_dir), args.n)
         drop_default_store(args, out)
     write(result, out, meta)
     print((out / "README.md").read_text())

@@ -22,7 +22,7 @@ SETTINGS = (Setting("full"), Setting("default"))
 SLACK = 1 / 30  # the default may contain the gold in one question in 30 fewer than Full
 
 
-def run_calibration_eval(rag: Any, sets: Sequence[str], lengths: Sequence[int], out: Path, data: Path, n: int | None,
+def judge_calibrated_default(rag: Any, sets: Sequence[str], lengths: Sequence[int], out: Path, data: Path, n: int | None,
                          progress: bool = True) -> dict[str, Any]:
     """Answer every set at every length (resumable: records per set and length under OUT), then judge."""
     for name in sets:
