@@ -58,6 +58,7 @@ log = logging.getLogger("fault_soak")
 METHODS = ("reuse", "a3")
 ADDRESSING = ("chunks", "ids")  # chunks=[Chunk(text)] (a lost store is recomputed) / chunk_ids registered in the engine
 MAX_NEW_TOKENS = 8
+HANG_S = 120.0  # an answer still running this long after the soak's end is reported as a hang
 LINGER_S = 1.0  # an answer that ends within this long after a fault's end still counts as "during the fault"
 QUESTIONS = [
     "When did the Brannoch Line open to passengers?",
@@ -211,8 +212,11 @@ def soak_threads(rag: Any, items: list[Item], by_id: dict[str, Any], reference: 
     pool = [threading.Thread(target=worker, args=(i,), name=f"answer-{i}", daemon=True) for i in range(threads)]
     for t in pool:
         t.start()
-    for t in pool:
-        t.join()
+    for t in pool:  # an answer that never returns is a finding (a hang), not a soak that never ends
+        t.join(timeout=max(0.0, t0 + seconds + HANG_S - time.monotonic()))
+        if t.is_alive():
+            errors.append({"thread": pool.index(t), "item": -1, "at": round(time.monotonic() - t0, 3), "type": "Hang",
+                           "message": f"an answer was still running {HANG_S:g} s after the soak's end", "traceback": ""})
     return records, errors
 
 

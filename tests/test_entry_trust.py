@@ -157,3 +157,30 @@ def test_the_finiteness_scan_runs_once_per_unmodified_tensor(monkeypatch):
     key = id(u)
     del u
     assert key not in ec._FINITE  # forgotten with the tensor
+
+
+def test_a_scanned_tensor_dying_inside_a_scan_never_hangs():
+    """A scanned tensor can die inside any allocation that starts a garbage collection, also one made while
+    another tensor is being marked; forgetting it must never wait on anything the dying thread holds (it
+    once waited on a lock that thread held, forever: the fault soak hung)."""
+    import gc
+    import threading
+
+    import kvrag.kv.entry_check as ec
+
+    def churn() -> None:
+        for _ in range(3000):
+            box: list = [torch.zeros(4)]
+            box.append(box)  # only a collection frees it, at whatever allocation starts one
+            ec.all_finite(box[0])
+            del box
+
+    before = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        worker = threading.Thread(target=churn, daemon=True)
+        worker.start()
+        worker.join(60)
+    finally:
+        gc.set_threshold(*before)
+    assert not worker.is_alive(), "a scanned tensor's death inside a scan blocked it"

@@ -7,7 +7,7 @@ request expects, and any mismatch is a miss that gets recomputed and replaced.
 
 from __future__ import annotations
 
-import threading
+import functools
 import weakref
 from typing import Sequence
 
@@ -74,28 +74,30 @@ def mark_finite(meta: dict[str, str], keys: torch.Tensor, values: torch.Tensor) 
 
 # tensor id -> (a weak reference to it, its version counter when found finite). Memory tiers hand
 # back the same tensors on every hit, so each is scanned once while it lives and stays unmodified.
+# No lock: a weak reference's callback runs wherever the tensor dies, inside any allocation that
+# starts a garbage collection, so a callback that took a lock the dying thread holds would wait on
+# itself forever. Each step below is one atomic dict operation; a race can at worst drop an entry
+# (a rescan), never keep a stale one, since a hit also checks the object and its version.
 _FINITE: dict[int, tuple[weakref.ref, int]] = {}
-_FINITE_LOCK = threading.Lock()
 
 
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every value of `t` is finite; a tensor already found finite and not modified since
     (same object, same in-place version) is not scanned again."""
     key = id(t)
-    with _FINITE_LOCK:
-        seen = _FINITE.get(key)
+    seen = _FINITE.get(key)
     if seen is not None and seen[0]() is t and seen[1] == t._version:
         return True
     # one reduction pass: a NaN or an infinity anywhere makes the sum non-finite; only then (or when
     # huge finite values overflow it) is every value looked at
     if not bool(torch.isfinite(t.sum(dtype=torch.float32))) and not bool(torch.isfinite(t).all()):
         return False
-    with _FINITE_LOCK:
-        _FINITE[key] = (weakref.ref(t, lambda _ref, key=key: _forget(key, _ref)), t._version)
+    _FINITE[key] = (weakref.ref(t, functools.partial(_forget, key)), t._version)
     return True
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
-    with _FINITE_LOCK:
-        if key in _FINITE and _FINITE[key][0] is ref:
-            del _FINITE[key]
+    """A scanned tensor died: drop its entry unless its id already names a newer tensor's."""
+    seen = _FINITE.get(key)
+    if seen is not None and seen[0] is ref:
+        _FINITE.pop(key, None)
