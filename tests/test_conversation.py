@@ -47,12 +47,14 @@ def test_one_question_is_the_one_message_case():
     assert layout.conversation_segments(ids, Conversation.ask("What did the cat do?")) == layout.segments(ids, "What did the cat do?")
 
 
-def test_the_callers_system_text_follows_the_engines_instruction_and_the_documents():
-    rag = make_rag()  # the default layout: the documents in the system message, the questions as written
+def test_the_callers_system_text_follows_the_documents():
+    rag = make_rag()  # the default layout: the documents in the system message, no instruction, the questions as written
     messages = rag.layout.conversation_messages(CHUNKS, Conversation.of(turn2("It purred.")))
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     system = messages[0]["content"]
-    assert system.startswith(rag.layout.system_prompt + "\n") and system.endswith("\nBe brief.")
+    assert rag.layout.system_prompt == "" and system.startswith(CHUNKS[0].text[:20]) and system.endswith("\nBe brief.")
+    with_instruction = make_rag(layout="instruction").layout.conversation_messages(CHUNKS, Conversation.of(turn2("It purred.")))
+    assert with_instruction[0]["content"].startswith("You are a helpful assistant.")
     assert all(c.text in system for c in CHUNKS) and "Document:" not in system
     assert messages[1]["content"] == "What did the cat do?" and messages[3]["content"] == "And where was it?"
 

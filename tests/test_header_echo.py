@@ -40,7 +40,8 @@ def test_the_layout_names_each_chunk_header_line():
     inline = PromptLayout(tiny_tokenizer(), chunk_template="[{title}] {text}\n\n")
     assert inline.header_lines(chunks) == set()
     assert PromptLayout(tiny_tokenizer(), chunk_template="{text}\n\n").header_lines(chunks) == set()
-    assert PromptLayout(tiny_tokenizer()).header_lines(chunks) == set()  # the default writes no header
+    assert PromptLayout(tiny_tokenizer(), "chat").header_lines(chunks) == set()  # the texts alone: no header
+    assert PromptLayout(tiny_tokenizer()).header_lines(chunks) == {"eiffel", "wall"}  # the default: a titled chunk's title line
 
 
 def _scripted(text: str, cfg: DecodeConfig, headers=HEADERS):

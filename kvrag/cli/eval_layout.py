@@ -9,11 +9,11 @@ from pathlib import Path
 
 from kvrag.errors import KVRagError
 
-DEFAULT_SETS = "conversations,sample,facts,facts-one,facts-long,nq10,musique,kv75"
+DEFAULT_SETS = "conversations,conversations-index,sample,facts,facts-one,facts-long,nq10,musique,kv75"
 
 
 def cmd_eval_layout(args: argparse.Namespace) -> int:
-    from kvrag.eval.layout_eval import CANDIDATES, CONVERSATIONS, DEFAULT_N, DEFAULT_NEW_TOKENS, run_layout
+    from kvrag.eval.layout_eval import CANDIDATES, CONVERSATION_SETS, DEFAULT_N, DEFAULT_NEW_TOKENS, run_layout
     from kvrag.eval.layout_report import write
     from kvrag.eval.report import load_records
     from kvrag.eval.runner import hardware
@@ -21,9 +21,9 @@ def cmd_eval_layout(args: argparse.Namespace) -> int:
     from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO
 
     sets = [s for s in (args.sets or DEFAULT_SETS).split(",") if s]
-    unknown = [s for s in sets if s not in SETS and s != CONVERSATIONS]
+    unknown = [s for s in sets if s not in SETS and s not in CONVERSATION_SETS]
     if unknown:
-        raise KVRagError(f"unknown sets {unknown}; known: {CONVERSATIONS}, {', '.join(SETS)}")
+        raise KVRagError(f"unknown sets {unknown}; known: {', '.join(CONVERSATION_SETS)}, {', '.join(SETS)}")
     layouts = [s for s in (args.layouts or ",".join(CANDIDATES)).split(",") if s]
     if "v1" not in layouts or any(name not in CANDIDATES for name in layouts):
         raise KVRagError(f"--layouts must name v1 (today's, the rule's reference) and only known candidates: {', '.join(CANDIDATES)}")

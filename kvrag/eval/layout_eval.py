@@ -1,7 +1,9 @@
 """`kvrag eval layout`: which prompt layout (kvrag.kv.layout_options) answers best, measured, not assumed.
 
 Every candidate layout answers the suite's sets (kvrag.eval.suite.SETS) and the two-turn conversations of
-`layout_conversations.json` (follow-ups that say "it", "they", "there"), each row under Full Attention and
+`layout_conversations.json` (follow-ups that say "it", "they", "there"), twice: each over its own document
+and two others (`conversations`), and each turn over what it retrieves from one index of all the documents
+(`conversations-index`, as `kvrag serve` answers them: turn two may find other documents). Each row under Full Attention and
 under the training-free reuse default (`calibrate=False`: fusionrag@0.15 with the read-whole policies; a
 model's calibration may choose Full Attention, which would judge every layout under Full twice). The model's own chat template (`tokenizer.apply_chat_template` over the
 documents in a system message, then the conversation; Full Attention) answers the conversations as the
@@ -25,17 +27,20 @@ from typing import Any, Iterator, Sequence
 from kvrag.chat import Conversation
 from kvrag.eval.data import Example
 from kvrag.eval.metrics import agreement, contains
-from kvrag.kv.layout_options import CHAT_LAYOUT, FRAMEWORK_INSTRUCTION, V1_INSTRUCTION, V1_LAYOUT, LayoutOptions
+from kvrag.kv.layout_options import CHAT_LAYOUT, FRAMEWORK_INSTRUCTION, INSTRUCTION_LAYOUT, V1_LAYOUT, LayoutOptions
 from kvrag.types import Chunk
 
 TODAY = "v1"
 REFERENCE = "template"  # the model's own chat template, documents in a system message (conversations only)
-CONVERSATIONS = "conversations"
+CONVERSATIONS = "conversations"  # each conversation over its own document and two others
+CONVERSATIONS_INDEX = "conversations-index"  # the same conversations, each turn retrieving from one index of every document
+CONVERSATION_SETS = (CONVERSATIONS, CONVERSATIONS_INDEX)
+INDEX_TOP_K = 3  # documents a turn of `conversations-index` retrieves (the server's and the frameworks' usual top 3)
 _CHAT = CHAT_LAYOUT  # documents in the system message, no instruction, no header, the question as written
 CANDIDATES: dict[str, LayoutOptions] = {
     TODAY: V1_LAYOUT,
     "chat": _CHAT,
-    "chat+instruction": _CHAT.replace(instruction=V1_INSTRUCTION),
+    "chat+instruction": INSTRUCTION_LAYOUT,
     "chat+framework": _CHAT.replace(instruction=FRAMEWORK_INSTRUCTION),
     "chat+title": _CHAT.replace(chunk_template="{title}\n{text}\n"),
     "chat+question": _CHAT.replace(question_template="Question: {question}"),
@@ -48,11 +53,15 @@ DEFAULT_NEW_TOKENS = 32
 
 @dataclass(frozen=True)
 class ConversationCase:
-    """A two-turn conversation over its document and two others."""
+    """A two-turn conversation over its document and two others (or, retrieved, over what each turn found)."""
 
     id: str
-    chunks: list[Chunk]
+    chunks: list[Chunk]  # turn one's documents
     turns: list[tuple[str, list[str]]]  # (question, gold answers)
+    later: list[Chunk] | None = None  # turn two's documents, where it retrieved its own (None: turn one's)
+
+    def chunks_for(self, turn: int) -> list[Chunk]:
+        return self.later if turn == 2 and self.later is not None else self.chunks
 
 
 def load_conversations(seed: int = 0) -> list[ConversationCase]:
@@ -66,6 +75,30 @@ def load_conversations(seed: int = 0) -> list[ConversationCase]:
         chunks = [gold, *rng.sample([d for k, d in docs.items() if k != conv["doc"]], 2)]
         rng.shuffle(chunks)
         out.append(ConversationCase(conv["id"], chunks, [(t["q"], list(t["a"])) for t in conv["turns"]]))
+    return out
+
+
+def load_index_conversations(k: int = INDEX_TOP_K) -> list[ConversationCase]:
+    """The bundled conversations over one index of all their documents, as `kvrag serve` answers them: turn one
+    retrieves the top `k` with its question, turn two with the user turns so far (Conversation.retrieval_query),
+    by the bundled embedder (kvrag.ingest.retrieval; unit vectors, so the dot product ranks as the index does)."""
+    from kvrag.ingest.retrieval import embedding_function
+
+    spec = json.loads(resources.files("kvrag.eval").joinpath("layout_conversations.json").read_text(encoding="utf-8"))
+    docs = [Chunk(id=f"layout-doc-{key}", text=text) for key, text in spec["documents"].items()]
+    embed = embedding_function()
+    vectors = [list(map(float, v)) for v in embed([d.text for d in docs])]
+
+    def top(query: str) -> list[Chunk]:
+        q = list(map(float, embed([query])[0]))
+        scores = [sum(a * b for a, b in zip(q, v)) for v in vectors]
+        return [docs[i] for i in sorted(range(len(docs)), key=lambda i: -scores[i])[:k]]
+
+    out = []
+    for conv in spec["conversations"]:
+        (q1, q2) = (t["q"] for t in conv["turns"])
+        follow_up = Conversation.ask(q1).with_answer("", q2).retrieval_query()
+        out.append(ConversationCase(conv["id"], top(q1), [(t["q"], list(t["a"])) for t in conv["turns"]], later=top(follow_up)))
     return out
 
 
@@ -136,33 +169,35 @@ class LayoutRun:
         (q1, _), (q2, _) = case.turns
         opts = {"prefix_cache": False, **({"method": method} if method else {})}
         first = Conversation.ask(q1)
-        pre = rag.prefill(messages=first, chunks=case.chunks, **opts)
+        pre = rag.prefill(messages=first, chunks=case.chunks_for(1), **opts)
         if whole_as is not None and pre.stats.full_reason:
             return whole_as
         one = rag.decode(pre, max_new_tokens=self.max_new_tokens).answer().text
-        pre = rag.prefill(messages=first.with_answer(one, q2), chunks=case.chunks, **opts)
+        pre = rag.prefill(messages=first.with_answer(one, q2), chunks=case.chunks_for(2), **opts)
+        if whole_as is not None and pre.stats.full_reason and one == whole_as[0]:
+            return whole_as  # turn two read whole after the same turn one: Full's answer
         return one, rag.decode(pre, max_new_tokens=self.max_new_tokens).answer().text
 
-    def answer_conversation(self, case: ConversationCase, half: str) -> None:
+    def answer_conversation(self, case: ConversationCase, half: str, set_name: str = CONVERSATIONS) -> None:
         """Both turns under every layout (turn two after that layout's own turn one), and the model's own template."""
         (q1, gold1), (q2, gold2) = case.turns
         for name, rag in self.engines.items():
-            if not self._todo(CONVERSATIONS, case.id, name, 2):
+            if not self._todo(set_name, case.id, name, 2):
                 continue
             texts = {"full": self._turns(rag, case, "full")}
             texts["default"] = self._turns(rag, case, None, whole_as=texts["full"])
             for method, (t1, t2) in texts.items():
                 for turn, text, gold in ((1, t1, gold1), (2, t2, gold2)):
-                    self._write({"set": CONVERSATIONS, "row": case.id, "half": half, "layout": name, "method": method, "turn": turn,
+                    self._write({"set": set_name, "row": case.id, "half": half, "layout": name, "method": method, "turn": turn,
                                  "answer": text, "contains": contains(text, gold), "agree": agreement(text, texts["full"][turn - 1])})
-        if (CONVERSATIONS, case.id, REFERENCE, "full", 2) not in self.done:
+        if (set_name, case.id, REFERENCE, "full", 2) not in self.done:
             rag = next(iter(self.engines.values()))
-            system = ("system", "\n\n".join(c.text for c in case.chunks))
+            system = [("system", "\n\n".join(c.text for c in case.chunks_for(turn))) for turn in (1, 2)]
             opts = {"max_new_tokens": self.max_new_tokens, "prefix_cache": False}
-            one = rag.chat([system, ("user", q1)], **opts)  # no chunks: plain chat, the messages through the chat template
-            two = rag.chat([system, ("user", q1), ("assistant", one.text), ("user", q2)], **opts)
+            one = rag.chat([system[0], ("user", q1)], **opts)  # no chunks: plain chat, the messages through the chat template
+            two = rag.chat([system[1], ("user", q1), ("assistant", one.text), ("user", q2)], **opts)
             for turn, text, gold in ((1, one.text, gold1), (2, two.text, gold2)):
-                self._write({"set": CONVERSATIONS, "row": case.id, "half": half, "layout": REFERENCE, "method": "full", "turn": turn,
+                self._write({"set": set_name, "row": case.id, "half": half, "layout": REFERENCE, "method": "full", "turn": turn,
                              "answer": text, "contains": contains(text, gold), "agree": 1.0})
 
 
@@ -170,7 +205,7 @@ def set_rows(sets: Sequence[str], data: Path, n: int | None) -> Iterator[tuple[s
     from kvrag.eval.suite import SETS
 
     for name in sets:
-        if name == CONVERSATIONS:
+        if name in CONVERSATION_SETS:
             continue
         spec = SETS[name]
         yield name, spec.build(data, n or min(spec.n, DEFAULT_N))
@@ -184,10 +219,12 @@ def run_layout(lm: Any, out: Path, data: Path, sets: Sequence[str], n: int | Non
     chosen = {k: CANDIDATES[k] for k in (layouts or CANDIDATES)}
     out.mkdir(parents=True, exist_ok=True)
     runner = LayoutRun(lm, chosen, out, max_new_tokens)
-    cases = load_conversations()[:conversations] if CONVERSATIONS in sets else []
-    ids = [c.id for c in cases]
-    for case in tqdm(cases, desc="conversations", disable=not progress):
-        runner.answer_conversation(case, half_of(CONVERSATIONS, case.id, ids))
+    loaders = {CONVERSATIONS: load_conversations, CONVERSATIONS_INDEX: load_index_conversations}
+    for set_name in [s for s in CONVERSATION_SETS if s in sets]:
+        cases = loaders[set_name]()[:conversations]
+        ids = [c.id for c in cases]
+        for case in tqdm(cases, desc=set_name, disable=not progress):
+            runner.answer_conversation(case, half_of(set_name, case.id, ids), set_name)
     for name, examples in set_rows(sets, data, n):
         ids = [e.id for e in examples]
         for ex in tqdm(examples, desc=name, disable=not progress):

@@ -3,9 +3,12 @@
 The rule is the suite's: a layout replaces today's only if, under the default method, it contains the gold
 answer no less often than today's less one question on EVERY set (each conversation turn is a set of its
 own), and more often on average over the sets; among those that pass, the highest mean wins (ties: the
-higher mean agreement with its own Full Attention). It is judged on one half of every set's rows (the
-"choose" half); the chosen layout is then reported against today's on the other half, which no choice
-was made on.
+higher mean agreement with its own Full Attention). The prompt must also answer as well as the model's own
+chat template over the same documents: a layout whose turn two, on any set of conversations, is right less
+often than the template's less one question does not pass either. It is judged on one half of every set's rows (the
+"choose" half); the chosen layout is then checked by the same rule, against today's and the template, on the
+other half, which no choice was made on. A pick that does not hold there is set aside and the next that
+passed is checked: the held-out half can only veto a layout, never rank them.
 """
 
 from __future__ import annotations
@@ -15,14 +18,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvrag.eval.layout_eval import CANDIDATES, CONVERSATIONS, REFERENCE, TODAY
+from kvrag.eval.layout_eval import CANDIDATES, CONVERSATION_SETS, REFERENCE, TODAY
 from kvrag.eval.report import bootstrap_ci
 
 HALVES = ("choose", "report", "all")
 
 
 def block_name(record: dict[str, Any]) -> str:
-    return f"{CONVERSATIONS}, turn {record['turn']}" if record["set"] == CONVERSATIONS else record["set"]
+    return f"{record['set']}, turn {record['turn']}" if record["set"] in CONVERSATION_SETS else record["set"]
+
+
+def turn_two_blocks(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The blocks of turn two, one per set of conversations answered (the template answers them too)."""
+    return [b for b in (f"{s}, turn 2" for s in CONVERSATION_SETS) if b in summary]
 
 
 def summarise(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -67,7 +75,8 @@ def _cell(summary: dict[str, dict[str, Any]], layout: str, method: str, half: st
 
 
 def decide(summary: dict[str, dict[str, dict[str, Any]]], half: str = "choose", method: str = "default") -> dict[str, Any]:
-    """The rule (module docstring) on one half: every candidate's verdict and the one chosen."""
+    """The rule (module docstring) on one half: every candidate's verdict, those that pass best first
+    (`ranked`), and the one chosen (the first)."""
     layouts = sorted({k.split("|")[0] for block in summary.values() for k in block} - {REFERENCE})
     verdicts: dict[str, dict[str, Any]] = {}
     for name in layouts:
@@ -80,33 +89,56 @@ def decide(summary: dict[str, dict[str, dict[str, Any]]], half: str = "choose", 
             agrees.append(mine["agree"])
             if mine["contained"] < today["contained"] - 1:
                 worse.append(f"{block}: {mine['contained']}/{mine['n']} < today's {today['contained']}/{today['n']} - 1")
+            ref = _cell(cells, REFERENCE, "full", half) if block in turn_two_blocks(summary) else None
+            if ref is not None and mine["contained"] < ref["contained"] - 1:
+                worse.append(f"{block}: {mine['contained']}/{mine['n']} < the template's {ref['contained']}/{ref['n']} - 1")
         verdicts[name] = {"mean": sum(rates) / len(rates) if rates else 0.0, "agree": sum(agrees) / len(agrees) if agrees else 0.0,
                           "worse": worse}
     today_mean = verdicts.get(TODAY, {}).get("mean", 0.0)
     for name, v in verdicts.items():
         v["passes"] = name == TODAY or (not v["worse"] and v["mean"] > today_mean + 1e-9)
-    passing = [n for n, v in verdicts.items() if v["passes"]]
-    chosen = max(passing, key=lambda n: (verdicts[n]["mean"], verdicts[n]["agree"])) if passing else TODAY
-    return {"half": half, "method": method, "chosen": chosen, "today_mean": today_mean, "verdicts": verdicts}
+    ranked = sorted((n for n, v in verdicts.items() if v["passes"] and n != TODAY),
+                    key=lambda n: (-verdicts[n]["mean"], -verdicts[n]["agree"], n))
+    return {"half": half, "method": method, "chosen": ranked[0] if ranked else TODAY, "ranked": ranked, "today_mean": today_mean,
+            "verdicts": verdicts}
 
 
 def held_out(summary: dict[str, dict[str, dict[str, Any]]], chosen: str, method: str = "default") -> dict[str, Any]:
-    """The chosen layout against today's on the rows no choice was made on: does the rule still hold there?"""
-    verdict = decide({b: {k: v for k, v in cells.items() if k.split("|")[0] in (chosen, TODAY)} for b, cells in summary.items()},
+    """The chosen layout against today's and the template on the rows no choice was made on: does the rule still
+    hold there?"""
+    keep = (chosen, TODAY, REFERENCE)
+    verdict = decide({b: {k: v for k, v in cells.items() if k.split("|")[0] in keep} for b, cells in summary.items()},
                      half="report", method=method)
     v = verdict["verdicts"].get(chosen, {})
     return {"chosen": chosen, "holds": chosen == TODAY or bool(v.get("passes")), "mean": v.get("mean", 0.0),
             "today_mean": verdict["today_mean"], "worse": v.get("worse", [])}
 
 
-def versus_template(summary: dict[str, dict[str, dict[str, Any]]], layout: str) -> dict[str, Any]:
-    """Turn two (every conversation) of a layout under the default method against the model's own chat template."""
-    cells = summary.get(f"{CONVERSATIONS}, turn 2", {})
-    mine, ref = _cell(cells, layout, "default", "all"), _cell(cells, REFERENCE, "full", "all")
-    if mine is None or ref is None:
-        return {}
-    return {"layout": layout, "turn2": mine["contained"], "template_turn2": ref["contained"], "n": mine["n"],
-            "within_one_in_30": mine["rate"] >= ref["rate"] - 1 / 30 - 1e-9}
+def choose(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """The rule's pick on the choose half, checked on the report half; a pick that does not hold there is set
+    aside and the next that passed is checked (the report half only vetoes, it never ranks). Returns the
+    choice, its held-out check and the checks of those set aside."""
+    choice = decide(summary)
+    aside = []
+    for name in choice["ranked"]:
+        check = held_out(summary, name)
+        if check["holds"]:
+            return {**choice, "chosen": name}, check, aside
+        aside.append(check)
+    return {**choice, "chosen": TODAY}, held_out(summary, TODAY), aside
+
+
+def versus_template(summary: dict[str, dict[str, dict[str, Any]]], layout: str) -> dict[str, dict[str, Any]]:
+    """Turn two (every conversation) of a layout under the default method against the model's own chat template,
+    per set of conversations."""
+    out = {}
+    for block in turn_two_blocks(summary):
+        cells = summary[block]
+        mine, ref = _cell(cells, layout, "default", "all"), _cell(cells, REFERENCE, "full", "all")
+        if mine is not None and ref is not None:
+            out[block] = {"layout": layout, "turn2": mine["contained"], "template_turn2": ref["contained"], "n": mine["n"],
+                          "within_one_in_30": mine["rate"] >= ref["rate"] - 1 / 30 - 1e-9}
+    return out
 
 
 def _fmt(c: dict[str, Any] | None, ci: bool = True) -> str:
@@ -117,7 +149,7 @@ def _fmt(c: dict[str, Any] | None, ci: bool = True) -> str:
 
 
 def markdown(summary: dict[str, dict[str, dict[str, Any]]], choice: dict[str, Any], check: dict[str, Any],
-             vs: dict[str, Any], meta: dict[str, Any]) -> str:
+             vs: dict[str, Any], meta: dict[str, Any], aside: Sequence[dict[str, Any]] = ()) -> str:
     layouts = [n for n in CANDIDATES if any(f"{n}|full|all" in cells for cells in summary.values())]
     chosen = choice["chosen"]
     lines = [
@@ -128,19 +160,25 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], choice: dict[str, An
         "interval of the rate); agreement = the same answer as Full Attention over the same layout's prompt. \"default\" is the "
         f"training-free reuse default ({meta.get('default_method', '')}, not a model's calibrated choice, which may be Full; contexts under its short-context limit are read whole, "
         "so there it is Full Attention). Conversations: turn two follows the layout's own turn one; `template` is the model's "
-        "own chat template over the documents in a system message (`tokenizer.apply_chat_template`, Full Attention).", "",
+        "own chat template over the same documents in a system message (`tokenizer.apply_chat_template`, Full Attention). "
+        "`conversations`: each over its own document and two others; `conversations-index`: each turn over the top 3 it "
+        "retrieves from one index of all 16 documents (turn two with the user turns so far, as `kvrag serve` retrieves).", "",
+        *[f"Passed the rule on the choose half but set aside, not holding on the held-out half: `{a['chosen']}` "
+          f"({'; '.join(a['worse']) or 'no better on average than today'})." for a in aside],
+        *([""] if aside else []),
         f"**Chosen by the rule on the choose half: `{chosen}`**; on the held-out half it "
         + ("holds" if check["holds"] else "does NOT hold")
         + f" (mean contained {check['mean']:.3f} vs today's {check['today_mean']:.3f}"
         + (f"; {'; '.join(check['worse'])}" if check["worse"] else "") + ").", "",
     ]
-    if vs:
-        lines += [f"Turn two over every conversation, `{chosen}` (default method) {vs['turn2']}/{vs['n']} vs the model's own template "
-                  f"{vs['template_turn2']}/{vs['n']}: " + ("within one in 30." if vs["within_one_in_30"] else "NOT within one in 30."), ""]
+    for block, v in vs.items():
+        lines += [f"{block[:-len(', turn 2')]}: turn two over every conversation, `{chosen}` (default method) {v['turn2']}/{v['n']} vs "
+                  f"the model's own template {v['template_turn2']}/{v['n']}: "
+                  + ("within one in 30." if v["within_one_in_30"] else "NOT within one in 30."), ""]
     lines += ["## The rule, choose half (default method)", "", "| layout | mean contained | passes | why not |", "|---|---|---|---|"]
     for name in layouts:
         v = choice["verdicts"].get(name, {})
-        lines.append(f"| `{name}` | {v.get('mean', 0):.3f} | {'yes' if v.get('passes') else 'no'} | {'; '.join(v.get('worse', [])) or ''} |")
+        lines.append(f"| `{name}` | {v.get('mean', 0):.3f} | {'reference' if name == TODAY else 'yes' if v.get('passes') else 'no'} | {'; '.join(v.get('worse', [])) or ''} |")
     lines += ["", "## Held-out half: chosen against today's", "", f"| set | `{TODAY}` default | `{chosen}` default | `{TODAY}` Full | `{chosen}` Full |",
               "|---|---|---|---|---|"]
     for block, cells in summary.items():
@@ -193,13 +231,12 @@ def write(records: Sequence[dict[str, Any]], out: Path, meta: dict[str, Any]) ->
     from kvrag.eval.runner import hardware
 
     summary = summarise(records)
-    choice = decide(summary)
-    check = held_out(summary, choice["chosen"])
+    choice, check, aside = choose(summary)
     vs = versus_template(summary, choice["chosen"])
     meta = {**meta, "hardware_line": hardware_line(meta.get("hardware") or hardware())}
-    result = {"meta": meta, "choice": choice, "held_out": check, "versus_template": vs, "summary": summary}
+    result = {"meta": meta, "choice": choice, "held_out": check, "set_aside": aside, "versus_template": vs, "summary": summary}
     (out / "layout.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
     png = plot(summary, out / "layout.png")
-    md = markdown(summary, choice, check, vs, meta) + (f"\n![contained per set]({png.name})\n" if png else "")
+    md = markdown(summary, choice, check, vs, meta, aside) + (f"\n![contained per set]({png.name})\n" if png else "")
     (out / "layout.md").write_text(md, encoding="utf-8")
     return result

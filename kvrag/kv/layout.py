@@ -18,10 +18,10 @@ from kvrag.types import Chunk
 
 # Bump when the way segments are built or tokenised changes, or the default layout does: old cache entries
 # become misses.
-LAYOUT_VERSION = "2"
+LAYOUT_VERSION = "3"
 # the versions whose layouts this code lays out token for token as they did (a link adapter trained under one
 # still fits the same layout: kvrag.link_adapter.check_adapter)
-SAME_SEGMENTS = ("1", "2")
+SAME_SEGMENTS = ("1", "2", "3")
 # The input id a link slot carries in `Segments.all_ids` (never embedded: link slots take the link
 # adapter's embedding rows instead).
 LINK_PLACEHOLDER = 0

@@ -28,10 +28,10 @@ from typing import Any, Mapping
 PLACES = ("system", "user", "turn")
 HISTORY = ("after", "before")
 
-# kvrag's instruction (the default layout's, and the layout's up to version 1), and the wording LlamaIndex's context
-# chat engine uses
+# kvrag's instruction up to layout version 2 (the v1 preset's), and the wording LlamaIndex's context chat engine uses;
+# the default layout has none (version 3: the measured instruction cost follow-ups over an index their turns)
 V1_INSTRUCTION = "You are a helpful assistant. Answer the question using the documents below. Answer with a short phrase."
-DEFAULT_INSTRUCTION = V1_INSTRUCTION
+DEFAULT_INSTRUCTION = ""
 FRAMEWORK_INSTRUCTION = "Use the context information below to assist the user."
 
 _FIELDS = ("place", "instruction", "chunk_template", "untitled_chunk_template", "question_template", "documents_end", "history")
@@ -64,7 +64,7 @@ class LayoutOptions:
 
     place: str = "system"
     instruction: str = DEFAULT_INSTRUCTION  # before the documents ("system") or as the system message ("user", "turn"); "" none
-    chunk_template: str = "{text}\n"  # a titled chunk ("{title}\n{text}\n" writes its title line)
+    chunk_template: str = "{title}\n{text}\n"  # a titled chunk: its title line, then its text
     untitled_chunk_template: str | None = None  # None: chunk_template without its "{title}" line
     question_template: str = "{question}"  # every user turn of a conversation with documents
     documents_end: str = ""  # text right after the last document, in the documents' message
@@ -147,13 +147,16 @@ class LayoutOptions:
 # first user turn, "Question: " before every user turn
 V1_LAYOUT = LayoutOptions(place="user", instruction=V1_INSTRUCTION, chunk_template="Document: {title}\n{text}\n\n",
                           untitled_chunk_template="Document: {text}\n\n", question_template="Question: {question}")
-# the default from LAYOUT_VERSION 2 (the fields' own defaults): the documents in the system message after kvrag's
-# instruction, each chunk's text alone, the question as the user wrote it; chosen by `kvrag eval layout`'s rule
-# (docs/bench/layout)
+# the default from LAYOUT_VERSION 3 (the fields' own defaults): the documents in the system message with no
+# instruction, a titled chunk as its title line and its text (an untitled one as its text), the question as the user
+# wrote it; chosen by `kvrag eval layout`'s rule (docs/bench/layout)
 DEFAULT_LAYOUT = LayoutOptions()
-# as the model's own chat template would be given documents: the same, without an instruction
-CHAT_LAYOUT = DEFAULT_LAYOUT.replace(instruction="")
-PRESETS: dict[str, LayoutOptions] = {"default": DEFAULT_LAYOUT, "chat": CHAT_LAYOUT, "v1": V1_LAYOUT}
+# as the model's own chat template would be given documents: the texts alone in the system message
+CHAT_LAYOUT = DEFAULT_LAYOUT.replace(chunk_template="{text}\n")
+# the default of layout version 2: CHAT_LAYOUT after kvrag's instruction
+INSTRUCTION_LAYOUT = CHAT_LAYOUT.replace(instruction=V1_INSTRUCTION)
+PRESETS: dict[str, LayoutOptions] = {"default": DEFAULT_LAYOUT, "chat": CHAT_LAYOUT, "instruction": INSTRUCTION_LAYOUT,
+                                     "v1": V1_LAYOUT}
 
 
 def face_layout(value: Any, *, rag: Any = None, server: str | None = None) -> LayoutOptions | None:
