@@ -20,7 +20,9 @@ from tiny import ARCHS, THREE_CHUNKS, THREE_IDS, THREE_Q, tiny_model, tiny_token
 
 # Full Attention prefill, a reuse prefill (stitched, recomputed in place), and SamKV's sparse stitched cache.
 PREFILLS = ["full", "cacheblend", "samkv"]
-SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.9, top_p=0.9, seed=7)}
+# the seed: one whose sampled answers run to max_new_tokens on every tiny model and prefill (an early EOS
+# would compare few steps); seed 7 ended one at 5 tokens once the default layout changed the prompt
+SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.9, top_p=0.9, seed=4)}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
