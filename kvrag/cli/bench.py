@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md/json/png, or storage.md/json/png for eval storage")
     ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
     ev.add_argument("--sets", default=None, help="which sets, comma-separated (default: sample,facts,facts-one,nq10,facts-long,musique,kv75; "
-                                                  "eval layout: conversations and those)")
+                                                  "eval layout: conversations, conversations-index and those)")
     ev.add_argument("--lengths", default=None, help="answer lengths in new tokens, comma-separated (default 16,64; eval layout: 32)")
     ev.add_argument("--layouts", default=None, help="eval layout: the candidate layouts to answer with (default: every one; v1 always)")
     ev.add_argument("--conversations", type=int, default=None, help="eval layout: the first N two-turn conversations (default: all)")
