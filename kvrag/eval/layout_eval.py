@@ -81,24 +81,22 @@ def load_conversations(seed: int = 0) -> list[ConversationCase]:
 def load_index_conversations(k: int = INDEX_TOP_K) -> list[ConversationCase]:
     """The bundled conversations over one index of all their documents, as `kvrag serve` answers them: turn one
     retrieves the top `k` with its question, turn two with the user turns so far (Conversation.retrieval_query),
-    by the bundled embedder (kvrag.ingest.retrieval; unit vectors, so the dot product ranks as the index does)."""
-    from kvrag.ingest.retrieval import embedding_function
+    from a ChunkIndex (the server's own retrieval) in a temporary folder."""
+    import tempfile
+
+    from kvrag.ingest.retrieval import ChunkIndex
 
     spec = json.loads(resources.files("kvrag.eval").joinpath("layout_conversations.json").read_text(encoding="utf-8"))
     docs = [Chunk(id=f"layout-doc-{key}", text=text) for key, text in spec["documents"].items()]
-    embed = embedding_function()
-    vectors = [list(map(float, v)) for v in embed([d.text for d in docs])]
-
-    def top(query: str) -> list[Chunk]:
-        q = list(map(float, embed([query])[0]))
-        scores = [sum(a * b for a, b in zip(q, v)) for v in vectors]
-        return [docs[i] for i in sorted(range(len(docs)), key=lambda i: -scores[i])[:k]]
-
     out = []
-    for conv in spec["conversations"]:
-        (q1, q2) = (t["q"] for t in conv["turns"])
-        follow_up = Conversation.ask(q1).with_answer("", q2).retrieval_query()
-        out.append(ConversationCase(conv["id"], top(q1), [(t["q"], list(t["a"])) for t in conv["turns"]], later=top(follow_up)))
+    with tempfile.TemporaryDirectory() as folder:
+        index = ChunkIndex(Path(folder) / "chroma")
+        index.add(docs)
+        for conv in spec["conversations"]:
+            q1, q2 = (t["q"] for t in conv["turns"])
+            follow_up = Conversation.ask(q1).with_answer("", q2).retrieval_query()
+            out.append(ConversationCase(conv["id"], index.query(q1, k), [(t["q"], list(t["a"])) for t in conv["turns"]],
+                                        later=index.query(follow_up, k)))
     return out
 
 
