@@ -4,13 +4,17 @@
 Nothing here imports torch, so `kvrag methods` reads it at once. A file is written whole to a temporary
 name and renamed (a reader sees the old or the new file), and read back only if it is whole: valid JSON,
 this kvrag's calibration version, set, default layout and libraries, the fingerprint it is named by, an entry whose
-checksum matches and whose fields make sense. Anything else is no result: the engine calibrates again.
+checksum matches and whose fields make sense, whose chosen setting is one it records as passed, and (with
+`$KVRAG_STORE_KEY` set) whose MAC under the key matches. It is read only as a regular file of bounded size
+and JSON depth, and without a key only when no one but its owner (this user) may write it
+(kvrag.check.calibration_file). Anything else is no result, logged once: the engine calibrates again.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -19,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvrag.check import calibration_file as cfile
 from kvrag.defaults import DefaultSetting, model_cache_dir
 from kvrag.version import __version__
 
@@ -77,32 +82,79 @@ def setting_of(result: dict[str, Any]) -> DefaultSetting:
     return DefaultSetting(method, float(ratio), "calibrated", why)
 
 
+def _passed(result: dict[str, Any], setting: DefaultSetting) -> bool:
+    """Whether the result records its chosen setting among the candidates that passed (Full Attention needs
+    none): a `chosen` naming an unknown, failed or unmeasured setting is refused. A row matches by its
+    setting's name or by its method and ratio; fields it has besides these do not matter."""
+    if setting.method == "full":
+        return True
+    for row in result["settings"]:
+        if not isinstance(row, dict) or row.get("status") != "passed":
+            continue
+        if row.get("setting") == setting.name:
+            return True
+        ratio = row.get("ratio")
+        if (row.get("method") == setting.method and isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                and float(ratio) == setting.ratio):
+            return True
+    return False
+
+
 def _valid(result: Any) -> bool:
     try:
-        setting_of(result)
+        setting = setting_of(result)
         rows = result["settings"]
-        return isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("setting"), str) for r in rows)
-    except (KeyError, TypeError, ValueError):
+        return (isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("setting"), str) for r in rows)
+                and _passed(result, setting))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return False
 
 
+def _why_not(data: Any, fingerprint: str, device: str, secret: bytes | None) -> str | None:
+    """Why this file's entry for `device` is not this model's current calibration, or None where it is."""
+    if not isinstance(data, dict) or data.get("versions") != versions() or data.get("fingerprint") != fingerprint:
+        return "stale"  # another kvrag, set, layout or library: measured again, as always
+    devices = data.get("devices")
+    entry = devices.get(device) if isinstance(devices, dict) else None
+    if not isinstance(entry, dict):
+        return "stale"
+    result = entry.get("result")
+    if not isinstance(result, dict) or entry.get("sha256") != _checksum(result):
+        return "its checksum does not match: damaged or edited"
+    if secret is not None:
+        mac = entry.get("mac")
+        if not isinstance(mac, str):
+            return "it carries no MAC under $KVRAG_STORE_KEY (written without the key)"
+        want = cfile.file_mac(secret, fingerprint, device, data["versions"], result)
+        if not hmac.compare_digest(mac.encode("utf-8", "surrogatepass"), want.encode()):
+            return "its MAC under $KVRAG_STORE_KEY is wrong: edited, or signed with another key"
+    if not _valid(result):
+        return "its chosen setting is not one it records as passed, or its fields make no sense"
+    return None
+
+
 def read_result(fingerprint: str, device: str) -> dict[str, Any] | None:
-    """The kept calibration of this model on this device type, or None (none, stale or not whole)."""
+    """The kept calibration of this model on this device type, or None (none, stale, not whole, not
+    signed by the store key when there is one, not safely readable: see kvrag.check.calibration_file).
+    Never raises: a file that cannot be trusted is measured again (logged once), the engine still starts."""
+    path = calibration_path(fingerprint)
+    secret = cfile.store_key()
     try:
-        data = json.loads(calibration_path(fingerprint).read_text(encoding="utf-8"))
-        if data.get("versions") != versions() or data.get("fingerprint") != fingerprint:
-            return None
-        entry = data["devices"][device]
-        result = entry["result"]
-        if entry.get("sha256") != _checksum(result) or not _valid(result):
-            log.warning("the calibration kept for %s on %s is damaged: calibrating again", fingerprint, device)
-            return None
-        return result
+        data = cfile.read_json(path, strict=secret is None)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("the calibration kept for %s is unreadable (%s): calibrating again", fingerprint, exc)
+    except (cfile.Refused, OSError, ValueError, RecursionError, MemoryError) as exc:
+        cfile.tell_once(path, str(exc) or type(exc).__name__)
         return None
+    try:
+        why = _why_not(data, fingerprint, device, secret)
+    except Exception as exc:  # noqa: BLE001 (whatever a hostile file holds: measured again)
+        why = f"unreadable ({type(exc).__name__})"
+    if why is None:
+        return data["devices"][device]["result"]
+    if why != "stale":
+        cfile.tell_once(path, why, f"calibrating {device} again (the new result is {'signed' if secret else 'kept'})")
+    return None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -124,14 +176,19 @@ def write_result(fingerprint: str, device: str, result: dict[str, Any], source: 
     path = calibration_path(fingerprint)
     try:
         data: dict[str, Any] = {}
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
+        secret = cfile.store_key()
+        try:  # other device types' entries are kept only where this reader would trust them
+            old = cfile.read_json(path, strict=secret is None)
             if old.get("versions") == versions() and old.get("fingerprint") == fingerprint and isinstance(old.get("devices"), dict):
-                data = old
-        except (OSError, ValueError, AttributeError):
+                data = {**old, "devices": {d: e for d, e in old["devices"].items()
+                                           if d != device and _why_not(old, fingerprint, d, secret) is None}}
+        except (OSError, ValueError, AttributeError, RecursionError, TypeError, KeyError):
             pass
         data.update(versions=versions(), fingerprint=fingerprint, source=source)
-        data.setdefault("devices", {})[device] = {"result": result, "sha256": _checksum(result)}
+        entry: dict[str, Any] = {"result": result, "sha256": _checksum(result)}
+        if secret is not None:
+            entry["mac"] = cfile.file_mac(secret, fingerprint, device, data["versions"], result)
+        data.setdefault("devices", {})[device] = entry
         _write_json(path, data)
         if source:
             _remember_source(source, fingerprint)
@@ -148,9 +205,9 @@ def _sources_path() -> Path:
 def _remember_source(source: str, fingerprint: str) -> None:
     """Which fingerprint a model source was last calibrated as, so `kvrag methods` finds it unloaded."""
     try:
-        known = json.loads(_sources_path().read_text(encoding="utf-8"))
+        known = cfile.read_json(_sources_path(), strict=cfile.store_key() is None)
         known = known if isinstance(known, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         known = {}
     known[source] = fingerprint
     _write_json(_sources_path(), known)
@@ -160,10 +217,12 @@ def results_for_source(source: str) -> dict[str, dict[str, Any]]:
     """The calibrations last kept for a model source (its name as the engine loaded it), per device
     type, current ones only: {} where there is none."""
     try:
-        fingerprint = json.loads(_sources_path().read_text(encoding="utf-8"))[source]
-        data = json.loads(calibration_path(fingerprint).read_text(encoding="utf-8"))
+        strict = cfile.store_key() is None
+        fingerprint = cfile.read_json(_sources_path(), strict)[source]
+        data = cfile.read_json(calibration_path(fingerprint), strict)
         devices = data.get("devices", {}) if isinstance(data, dict) else {}
-    except (OSError, ValueError, KeyError, TypeError):
+        devices = devices if isinstance(devices, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return {}
     found = {}
     for device in devices:
