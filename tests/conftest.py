@@ -1,10 +1,27 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import home_guard  # noqa: E402
+
+# The user's own kvrag folders, named and snapshot before anything of the suite runs (collection included):
+# the `kvrag_home` fixture fails the suite if any of them changed by its end (issue 70, item 8).
+_TEST_PLACES = (os.environ.get("KVRAG_TEST_HOME"), os.environ.get("KVRAG_TEST_MODEL_CACHE"))
+_USER_PLACES = home_guard.user_places(os.environ, _TEST_PLACES)
+_GUARD = os.environ.get(home_guard.OFF_ENV) != "0"
+_BEFORE = home_guard.snapshot(_USER_PLACES, _TEST_PLACES) if _GUARD else {}
+# The suite's $KVRAG_HOME is set here, on import, not in a fixture: test modules that build an engine at import
+# (tests/test_langchain.py) run the gate during collection, which writes its verdict under $KVRAG_HOME/checks;
+# with the home set only by a session fixture, that verdict went to the user's ~/.kvrag.
+_OWN_HOME = not os.environ.get("KVRAG_TEST_HOME")
+_HOME = os.environ.get("KVRAG_TEST_HOME") or tempfile.mkdtemp(prefix="kvrag-test-home-")
+os.environ["KVRAG_HOME"] = _HOME
+os.environ["KVRAG_MODEL_CACHE"] = os.environ.get("KVRAG_TEST_MODEL_CACHE") or str(Path(_HOME) / "models")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
@@ -39,13 +56,17 @@ def calibrated_defaults(monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def kvrag_home(tmp_path_factory):
+def kvrag_home():
     """One $KVRAG_HOME per test session for every test (gate verdicts land there, never in ~/.kvrag), and one
-    model cache (the converted model), which the homes of subprocess tests share as users' homes do."""
-    home = os.environ.get("KVRAG_TEST_HOME") or str(tmp_path_factory.mktemp("kvrag_home"))
-    os.environ["KVRAG_HOME"] = home
-    os.environ["KVRAG_MODEL_CACHE"] = os.environ.get("KVRAG_TEST_MODEL_CACHE") or str(Path(home) / "models")
-    return Path(home)
+    model cache (the converted model), which the homes of subprocess tests share as users' homes do. Both are
+    set on import (above); at the end of the session the user's own folders are compared with their snapshot
+    from before collection, and any change fails the run, naming the paths."""
+    yield Path(_HOME)
+    if _OWN_HOME:
+        shutil.rmtree(_HOME, ignore_errors=True)
+    failure = home_guard.verdict(_USER_PLACES, _BEFORE, _TEST_PLACES) if _GUARD else None
+    if failure:
+        pytest.fail(failure, pytrace=False)
 
 
 @pytest.fixture(scope="session")
