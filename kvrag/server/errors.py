@@ -21,7 +21,11 @@ from kvrag.server.gate import QueueFullError
 log = logging.getLogger("kvrag.server")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
-          409: "invalid_request_error", 413: "request_too_large", 503: "server_busy"}
+          405: "invalid_request_error", 409: "invalid_request_error", 413: "request_too_large", 503: "server_busy"}
+# the code of an error the framework raised itself (FastAPI's "There was an error parsing the body" for JSON
+# nested too deep or a number too long was `"code": null`, where every other parse error is invalid_request)
+_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+PARSE_FAILED = "There was an error parsing the body"  # FastAPI's detail when decoding the body raised other than JSONDecodeError
 INDEX_RETRY_AFTER_S = 2  # what a 503 for an unreachable index suggests (a restarting `chroma run` is back in seconds)
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status counted for a request dropped because its client left
 
@@ -123,7 +127,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == PARSE_FAILED:
+            message = "invalid request: body is not valid JSON (nested too deep, or a number too long to read)"
+        return error_response(exc.status_code, message, _HTTP_CODES.get(exc.status_code), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
