@@ -29,6 +29,54 @@ DEFAULT_RATIO = 0.15
 
 
 @dataclass(frozen=True)
+class Ape:
+    """APE's attention change (Yang, Chen, Chen, ICLR 2025) for reused chunk KV: the question's and the
+    answer's attention over the chunk tokens takes scores divided by `temperature` (T), and that part's
+    weight against the rest (the system prefix, the question, the answer so far) is softmax([S*T*L_C, L_N])
+    with L the log-sum-exp of each part's scores and S the `scale`. T = S = 1 is ordinary attention.
+    Chosen per model by calibration (kvrag.check.calibrate), never on the data that judges it."""
+
+    temperature: float = 1.0
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.05 <= float(v) <= 4.0):
+                raise ValueError(f"ape {name} must be a number within [0.05, 4], got {v!r}")
+            object.__setattr__(self, name, float(v))
+
+    @property
+    def active(self) -> bool:
+        """Whether it changes anything (T = S = 1 is ordinary attention: the stock path runs)."""
+        return self.temperature != 1.0 or self.scale != 1.0
+
+    @property
+    def tag(self) -> str:
+        return f"ape(T={self.temperature:g},S={self.scale:g})"
+
+    @classmethod
+    def of(cls, value: Any) -> "Ape | None":
+        """An Ape from what users pass: None, an Ape, (T, S), {"temperature": T, "scale": S} or "T,S"."""
+        if value is None or isinstance(value, Ape):
+            return value
+        if isinstance(value, str):
+            value = [p for p in value.replace(" ", "").split(",") if p]
+            try:
+                value = [float(p) for p in value]
+            except ValueError:
+                raise ValueError(f"ape must be 'T,S' (two numbers), got {value!r}") from None
+        if isinstance(value, dict):
+            unknown = set(value) - {"temperature", "scale"}
+            if unknown:
+                raise ValueError(f"ape takes temperature and scale, not {sorted(unknown)}")
+            return cls(**value)
+        if isinstance(value, (list, tuple)) and len(value) == 2:
+            return cls(*value)
+        raise ValueError(f"ape must be (temperature, scale), a dict of them or 'T,S', got {value!r}")
+
+
+@dataclass(frozen=True)
 class DefaultSetting:
     """What a request that names no method gets, and why: over base weights, the setting the model's
     calibration chose (kvrag.check.calibrate), else the fixed DEFAULT_METHOD at DEFAULT_RATIO."""
@@ -37,10 +85,11 @@ class DefaultSetting:
     ratio: float = DEFAULT_RATIO
     source: str = "fixed"  # "calibrated", "fixed" (calibration off) or "adapter" (a tuned link adapter was asked for)
     why: str = ""
+    ape: Ape | None = None  # APE's temperature and scale on the question's and answer's attention (None: off)
 
     @property
     def name(self) -> str:
-        return self.method if self.method in RATIO_FREE else f"{self.method}@{self.ratio:g}"
+        return setting_name(self.method, self.ratio, self.ape)
 
     def note(self) -> str:
         """One line: the setting and why (what `stats.default`, `kvrag methods` and /health say)."""
@@ -48,6 +97,13 @@ class DefaultSetting:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "name": self.name}
+
+
+def setting_name(method: str, ratio: float, ape: Ape | None = None) -> str:
+    """How a setting is named everywhere (calibration rows, `kvrag methods`, stats): "fusionrag@0.15",
+    "reuse", "reuse+ape(T=0.9,S=1)"."""
+    name = method if method in RATIO_FREE else f"{method}@{ratio:g}"
+    return f"{name}+{ape.tag}" if ape is not None and ape.active else name
 
 
 FIXED_DEFAULT = DefaultSetting(DEFAULT_METHOD, DEFAULT_RATIO, "fixed", "calibration off")

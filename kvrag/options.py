@@ -21,10 +21,11 @@ from kvrag.kv.salt import salt_digest
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY  # noqa: F401 (re-exported)
 
 OPTION_KEYS = ("method", "recompute_ratio", "kv_kind", "evict", "min_recompute", "short_context", "records_whole", "prefix_cache",
-               "cache_salt")  # AnswerOptions' own keyword fields
+               "cache_salt", "ape")  # AnswerOptions' own keyword fields
 DECODE_KEYS = tuple(f.name for f in dataclasses.fields(DecodeConfig))  # the decode settings, as keywords
 
 from kvrag.defaults import (  # noqa: F401 (re-exported: the request vocabulary lives in kvrag.defaults)
+    Ape,
     DEFAULT_METHOD,
     DEFAULT_MIN_RECOMPUTE,
     DEFAULT_RATIO,
@@ -83,6 +84,9 @@ class AnswerOptions:
     # the exact prefix cache's scope: a turn kept under one salt is read only by requests with the same salt
     # (a tenant of a shared server: kvrag.server.tenants); "": the unsalted scope, as every caller of one engine shares it
     cache_salt: str = ""
+    # APE's temperature and scale on the question's and the answer's attention over reused chunk KV
+    # (kvrag.model.ape); None or T = S = 1: ordinary attention. Full Attention and answers read whole ignore it.
+    ape: Ape | None = None
     default_note: str = field(default="", compare=False)  # set where the method came from the engine's default: which and why
 
     def __post_init__(self) -> None:
@@ -103,6 +107,8 @@ class AnswerOptions:
             isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0
         ):
             raise ValueError(f"recompute_ratio must be a number within [0, 1] or 'auto', got {ratio!r}")
+        ape = Ape.of(self.ape)
+        object.__setattr__(self, "ape", ape if ape is not None and ape.active else None)
         if self.kv_kind not in CHUNK_KINDS:
             raise ValueError(f"kv_kind must be one of {CHUNK_KINDS}, got {self.kv_kind!r}")
 
@@ -189,6 +195,8 @@ class AnswerOptions:
             method = self.method if isinstance(self.method, str) or self.method is None else repr(self.method)
             params = sorted((str(k), repr(v)) for k, v in dict(self.method_params).items())
             signature = repr((method, repr(self.recompute_ratio), self.kv_kind, params, self.min_recompute_tokens()))
+            if self.ape is not None:
+                signature += f"|{self.ape.tag}"
         return signature if not self.cache_salt else f"{signature}|salt={salt_digest(self.cache_salt)}"
 
     def with_default_method(self, method: str | DefaultSetting) -> "AnswerOptions":
@@ -202,7 +210,8 @@ class AnswerOptions:
         ratio = self.recompute_ratio
         if not isinstance(ratio, AutoRatio) and ratio == DEFAULT_RATIO:
             ratio = method.ratio
-        return dataclasses.replace(self, method=method.method, recompute_ratio=ratio, default_note=method.note())
+        ape = self.ape if self.ape is not None else method.ape  # the caller's own APE setting wins
+        return dataclasses.replace(self, method=method.method, recompute_ratio=ratio, ape=ape, default_note=method.note())
 
     def resolved_method(self) -> Method:
         """The method object; options that name none stand for DEFAULT_METHOD (an engine fills in its own first)."""

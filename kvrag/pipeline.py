@@ -20,7 +20,8 @@ from kvrag.model.cache import cache_kv, cache_len, cache_nbytes
 from kvrag.decode.stream import DecodeConfig, DecodeState, stream_tokens
 from kvrag.errors import ContextTooLongError
 from kvrag.methods.snapkv import SnapKV
-from kvrag.fuse.stitch import PrefillOutput, Stitched, full_prefill, recompute, stitch
+from kvrag.fuse.stitch import PrefillOutput, Stitched, context_slots, full_prefill, recompute, stitch
+from kvrag.model.ape import DecodeApe, decoding_with
 from kvrag.kv.layout import Segments
 from kvrag.methods.auto_ratio import AutoRatio, auto_budget
 from kvrag.methods import LinkSlots, Method, PrepareContext, ScoredMethod, SelectContext, Selection, token_budget
@@ -51,6 +52,7 @@ class Prefill:
     selection: Selection | None = None  # the rule's pick and the scores behind it
     prefix_signature: str | None = None  # how the exact prefix cache keeps this turn's KV once decoded (None: not kept)
     prefix_min_hit: int = 0  # a later prompt must share this many tokens to continue from it
+    ape: DecodeApe | None = None  # APE over the chunk slots in every decode step (kvrag.model.ape)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -124,7 +126,11 @@ class RequestPipeline:
         if signature is not None:
             hit = self.prefix_cache.lookup(signature, segments.all_ids(), floor=len(segments.prefix))
             if hit is not None:
-                out = full_prefill(self.lm, hit.stack, segments, reserve)
+                # an approximate turn kept with APE continues with it over the same chunk slots (the whole
+                # earlier prompt is this one's start, so its chunks sit where they sat)
+                dape = DecodeApe(opts.ape, len(segments.prefix), segments.context_len) if opts.ape is not None and not exact else None
+                with decoding_with(dape):
+                    out = full_prefill(self.lm, hit.stack, segments, reserve)
                 read_from = max(hit.tokens, len(segments.prefix))
                 stats.prefix_hit_tokens = hit.tokens
                 stats.recomputed_tokens = stats.chunk_prefill_tokens = max(0, segments.context_len - read_from)
@@ -133,7 +139,8 @@ class RequestPipeline:
                 stats.prefill_s = clock(self.lm.device) - t0
                 stats.ttft_s = stats.prefill_s
                 selected = torch.arange(read_from, max(read_from, segments.context_len))
-                return Prefill(out, segments, selected, stats, resolved.chunks, prefix_signature=signature, prefix_min_hit=min_hit)
+                return Prefill(out, segments, selected, stats, resolved.chunks, prefix_signature=signature, prefix_min_hit=min_hit,
+                               ape=dape)
         prefix = self.repo.prefix_kv(segments.prefix)
 
         if exact:
@@ -158,7 +165,7 @@ class RequestPipeline:
             stitched, selection = self._select(meth, stitched, opts, stats)
             t3 = clock(self.lm.device)
             with self._window(opts.evict, segments) as window:
-                out = recompute(self.lm, stitched, selection.positions, update=meth.update, link_embeds=links.embeds)
+                out = recompute(self.lm, stitched, selection.positions, update=meth.update, link_embeds=links.embeds, ape=opts.ape)
             stitched.ensure_all()  # decoding reads every layer (the pass has ensured each one it updated)
         finally:
             if feed is not None:
@@ -176,7 +183,9 @@ class RequestPipeline:
         stats.stitch_s, stats.select_s, stats.recompute_s = t2 - t1, t3 - t2, t4 - t3
         stats.recomputed_tokens = int(selection.positions.numel())
         stats.ttft_s = t4 - t0 + resolved.read_s  # the store read before the lock counts too
-        return Prefill(out, segments, selection.positions, stats, resolved.chunks, stitched, window, selection, signature, min_hit)
+        dape = DecodeApe(opts.ape, *context_slots(stitched)) if opts.ape is not None else None
+        stats.ape = opts.ape.tag if opts.ape is not None else ""
+        return Prefill(out, segments, selection.positions, stats, resolved.chunks, stitched, window, selection, signature, min_hit, dape)
 
     def _select(self, meth: Method, stitched: Stitched, opts: AnswerOptions, stats: AnswerStats) -> tuple[Stitched, Selection]:
         """The rule's keep (sparsifying) and select steps. The budget is a share of the chunk tokens held;
@@ -280,7 +289,7 @@ class RequestPipeline:
         t = clock(self.lm.device)
         headers = self.repo.layout.header_lines(pre.chunks)
         tokens = stream_tokens(self.lm, pre.output.cache, pre.logits, pre.output.next_position, cfg, state, self.lm.max_context,
-                               headers, pre.segments.read_ids())
+                               headers, pre.segments.read_ids(), pre.ape)
         try:
             while True:  # each forward takes the model lock itself (a batched step: its leader, for all rows)
                 piece = next(tokens, None)

@@ -68,6 +68,7 @@ class AnswerStats:
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the exact prefix cache (a finished earlier turn): not read again
     turns: int = 1  # messages in the conversation answered (user and assistant; 1: a single question)
     default: str = ""  # where the request named no method: the default setting it got and why (calibrated per model), else ""
+    ape: str = ""  # APE's setting where the question and answer attended with it ("ape(T=0.9,S=1)"), else ""
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -114,7 +115,7 @@ class AnswerStats:
         elif self.method == "full":
             how = f"full: read whole ({self.context_tokens} chunk tokens)"
         else:
-            how = (f"{self.method} recomputed {self.recomputed_tokens / max(1, self.context_tokens):.0%} "
+            how = (f"{self.method}{'+' + self.ape if self.ape else ''} recomputed {self.recomputed_tokens / max(1, self.context_tokens):.0%} "
                    f"({self.recomputed_tokens} of {self.context_tokens} chunk tokens)")
         if self.prefix_hit_tokens:
             how += f"; {self.prefix_hit_tokens} of {self.prompt_tokens} prompt tokens from the previous turn"
@@ -126,7 +127,7 @@ class AnswerStats:
         `hits=0 misses=0` is never left to explain itself."""
         whole = self.full_reason.split(": answered with Full Attention")[0] if self.full_reason else ""
         return (
-            f"method={self.method} " + (f'read_whole="{whole}" ' if whole else "")
+            f"method={self.method} " + (f"ape={self.ape} " if self.ape else "") + (f'read_whole="{whole}" ' if whole else "")
             + f"ttft={self.ttft_s * 1000:.0f}ms prompt={self.prompt_tokens} "
             f"recomputed={self.recomputed_tokens} chunk_prefill={self.chunk_prefill_tokens} "
             f"hits={self.cache_hits} misses={self.cache_misses} loaded={self.bytes_loaded / 1e6:.1f}MB "

@@ -18,20 +18,27 @@ from __future__ import annotations
 
 import torch
 
+from kvrag.defaults import Ape
+from kvrag.model.ape import ape_logits
+
 MIN_KEYS_PER_SPLIT = 128  # a split's block of keys: below this the blocks' own overhead dominates
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scaling: float,
-                splits: int = 1) -> torch.Tensor:
+                splits: int = 1, ape: "tuple[torch.Tensor, Ape] | None" = None) -> torch.Tensor:
     """Each row's one query (q [rows, heads, 1, d]) over its own keys (k, v [rows, kv_heads, S, d]) with an
     additive `bias` [rows, 1, 1, S] (or None), as transformers' eager attention computes it: scores in
     the model's dtype, softmax in float32, probabilities cast back. `splits` (dividing S): blocks of
-    keys for the product with V (see the module docstring); 1 = one product. Returns [rows, 1, heads, d]."""
+    keys for the product with V (see the module docstring); 1 = one product. `ape`: (bool [rows, 1, 1, S]
+    marking the chunk slots, the Ape) to attend as APE does (kvrag.model.ape; scores in float32 then).
+    Returns [rows, 1, heads, d]."""
     rows, heads, _, d = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
     group = heads // kv_heads
     grouped = q.reshape(rows, kv_heads, group, d)  # query head h reads kv head h // group, as repeat_kv pairs them
     scores = torch.matmul(grouped, k.transpose(-1, -2)) * scaling
+    if ape is not None:
+        scores = ape_logits(scores, ape[0], ape[1])
     if bias is not None:
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)

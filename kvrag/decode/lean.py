@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvrag.decode.attend import attend_rows
+from kvrag.defaults import Ape
 from kvrag.decode.int8 import Int8Layer, Int8Weights, check_decode_weights, int8_available
 
 log = logging.getLogger(__name__)
@@ -78,15 +79,18 @@ class LeanStep:
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, buffers: Sequence[KV], slot: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
-        """Every sequence writes its `slot` of the shared buffers and attends over them through `mask`."""
+                 mask: torch.Tensor, ape: "tuple[torch.Tensor, Ape] | None" = None) -> torch.Tensor:
+        """Every sequence writes its `slot` of the shared buffers and attends over them through `mask`;
+        `ape`: (bool [1, 1, 1, slots] marking the chunk slots, the Ape), one sequence only (kvrag.model.ape)."""
+        if ape is not None and tokens.shape[0] != 1:
+            raise ValueError("APE decodes one sequence a step")
 
         def attend(i: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kbuf, vbuf = buffers[i]
             _write(kbuf, k, slot)
             _write(vbuf, v, slot)
             if q.shape[0] == 1:  # the static (CUDA-graph) step: one sequence over its whole buffer
-                return _attend_one(q, kbuf, vbuf, mask, attn.scaling)
+                return attend_rows(q, kbuf, vbuf, mask, attn.scaling, ape=ape)
             return self.attend(attn, q, kbuf, vbuf, mask, dropout=0.0, scaling=attn.scaling)[0]
 
         return self._forward(tokens, positions, attend)

@@ -45,6 +45,7 @@ from kvrag.decode.pool import Seat
 from kvrag.decode.draft import PromptLookup
 from kvrag.decode.graphs import CAPTURE_LOCK
 from kvrag.decode.lean import lean_step
+from kvrag.model.ape import DecodeApe, decoding_with
 from kvrag.model.cache import SlotCache, SpliceLayer, cache_arg
 from kvrag.model.home_thread import on_home
 
@@ -57,7 +58,8 @@ class StaticStep:
     """One decode step over fixed-shape inputs. `set` fills them outside; `run` is the region a
     CUDA graph captures (on the CPU it simply runs), returning the next token's logits [vocab]."""
 
-    def __init__(self, model: Any, buffers: Sequence[KV], dtype: torch.dtype, device: torch.device, lean: bool = True) -> None:
+    def __init__(self, model: Any, buffers: Sequence[KV], dtype: torch.dtype, device: torch.device, lean: bool = True,
+                 ape: DecodeApe | None = None) -> None:
         capacity = buffers[0][0].shape[-2]
         self.model = model
         self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -69,6 +71,9 @@ class StaticStep:
         self._slots = torch.arange(capacity, device=device)
         self._visible = torch.zeros((), dtype=dtype, device=device)
         self._hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
+        # APE over the chunk slots: which slots are context, made once (a graph reads the same buffer)
+        self.ape = ape if ape is not None and ape.ape.active else None
+        self._ape_ctx = self.ape.context(capacity, device)[None, None, None] if self.ape is not None else None
 
     def set(self, token: int, position: int, slot: int) -> None:
         """The step's inputs, written in place (their addresses are what a graph reads)."""
@@ -81,7 +86,12 @@ class StaticStep:
         """The forward of `token` at `position`, writing slot `slot`; no host sync, no shape that changes."""
         mask = torch.where(self._slots <= self.slot, self._visible, self._hidden)[None, None, None]
         if self.lean is not None:
-            return self.lean(self.token, self.position, self.buffers, self.slot, mask)[0]
+            ape = (self._ape_ctx, self.ape.ape) if self.ape is not None else None
+            return self.lean(self.token, self.position, self.buffers, self.slot, mask, ape)[0]
+        with decoding_with(self.ape):
+            return self._model_step(mask)
+
+    def _model_step(self, mask: torch.Tensor) -> torch.Tensor:
         out = self.model(
             input_ids=self.token,
             position_ids=self.position,
@@ -111,7 +121,7 @@ class StaticDecoder:
     WARMUP = 2  # eager runs on a side stream before capture (allocator, cuBLAS/SDPA lazy setup)
 
     def __init__(self, lm: Any, cache: Any, steps: int, graph: bool | None = None,
-                 context_ids: Sequence[int] = (), draft_tokens: int = 0) -> None:
+                 context_ids: Sequence[int] = (), draft_tokens: int = 0, ape: DecodeApe | None = None) -> None:
         """`steps`: the most forwards this decode can take (the room is made to hold them).
         `draft_tokens`: tokens drafted from `context_ids` (the prompt's) and the answer so far to feed
         with each step when it decodes alone (kvrag.decode.draft); without a graph only. On a model
@@ -132,7 +142,8 @@ class StaticDecoder:
         self._seat: Seat | None = None
         lean = lean_step(lm.model)
         self._weights = lean.weights if lean is not None else "model"
-        if lean is not None:  # every device: concurrent answers share one forward a step
+        ape = ape if ape is not None and ape.ape.active else None
+        if lean is not None and ape is None:  # every device: concurrent answers share one forward a step (APE: alone)
             self._batcher = batcher_for(lm, lean)
             self._seat = self._batcher.seat(self.buffers, self.start, self.start + steps)
             if self._seat is None:  # the pool cannot take it: decode alone
@@ -141,7 +152,7 @@ class StaticDecoder:
                 self.capacity = self.start + steps
         self.seated = self._seat is not None  # decodes in a row of the model's slot pool, batched with the others
         # the single-sequence step over its own buffers (not made for a seated sequence)
-        self.step = StaticStep(lm.model, self.buffers, lm.dtype, lm.device) if self._seat is None else None
+        self.step = StaticStep(lm.model, self.buffers, lm.dtype, lm.device, ape=ape) if self._seat is None else None
         self.draft_tokens = draft_tokens if self._seat is not None and not self.graph else 0
         self._lookup = PromptLookup(context_ids) if self.draft_tokens > 0 else None
         self._ahead: list[tuple[int, torch.Tensor]] = []  # (drafted token, the logits after it), verified already

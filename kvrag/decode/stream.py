@@ -24,6 +24,7 @@ from kvrag.model.home_thread import on_home
 from kvrag.model.loading import LoadedModel
 from kvrag.decode.lean import lean_supported
 from kvrag.decode.static import StaticDecoder, supports
+from kvrag.model.ape import DecodeApe, decoding_with
 from kvrag.defaults import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 
@@ -220,9 +221,10 @@ class EagerStep:
     weights = "model"  # the stock forward: the model's own weights
     accepted = 0  # no drafts: a forward a token
 
-    def __init__(self, lm: LoadedModel, cache: Any) -> None:
+    def __init__(self, lm: LoadedModel, cache: Any, ape: DecodeApe | None = None) -> None:
         self.lm, self.cache = lm, cache
         self.forwards = 0
+        self.ape = ape  # APE over the chunk slots (kvrag.model.ape), applied by the model's attention
 
     @torch.no_grad()
     def __call__(self, token: int, position: int) -> torch.Tensor:
@@ -234,6 +236,10 @@ class EagerStep:
             return self._forward(token, position)
 
     def _forward(self, token: int, position: int) -> torch.Tensor:
+        with decoding_with(self.ape):
+            return self._model_forward(token, position)
+
+    def _model_forward(self, token: int, position: int) -> torch.Tensor:
         out = self.lm.model(
             input_ids=torch.tensor([[token]], device=self.lm.device),
             position_ids=torch.tensor([[position]], device=self.lm.device),
@@ -250,7 +256,7 @@ Stepper = EagerStep | StaticDecoder
 
 
 def stepper(lm: LoadedModel, cache: Any, next_position: int, cfg: DecodeConfig, max_position: int | None = None,
-            context_ids: Sequence[int] = ()) -> Stepper:
+            context_ids: Sequence[int] = (), ape: DecodeApe | None = None) -> Stepper:
     """The forward each decoded token takes: static (CUDA graph on CUDA) when `cfg` asks for it and the
     cache allows it (see `kvrag.decode.static.supports`), else eager. Sized for the forwards this
     decode can still take: one fewer than max_new_tokens (the first token comes from the prefill),
@@ -259,8 +265,8 @@ def stepper(lm: LoadedModel, cache: Any, next_position: int, cfg: DecodeConfig, 
         steps = cfg.max_new_tokens - 1
         if max_position is not None:
             steps = min(steps, max_position - next_position)
-        return StaticDecoder(lm, cache, max(steps, 1), context_ids=context_ids, draft_tokens=cfg.drafts_for(lm.dtype))
-    return EagerStep(lm, cache)
+        return StaticDecoder(lm, cache, max(steps, 1), context_ids=context_ids, draft_tokens=cfg.drafts_for(lm.dtype), ape=ape)
+    return EagerStep(lm, cache, ape)
 
 
 @torch.no_grad()
@@ -274,11 +280,13 @@ def stream_tokens(
     max_position: int | None = None,
     headers: Collection[str] = (),
     context_ids: Sequence[int] = (),
+    ape: DecodeApe | None = None,
 ) -> Iterator[str]:
     """Yield text pieces as tokens are generated; stops at eos, a stop string or max_new_tokens.
     Leading lines that only repeat one of `headers` (the prompt's chunk headers) are left out.
-    `context_ids`: the prompt's tokens, which drafts are looked up in (`DecodeConfig.draft_tokens`)."""
-    forward = LazyStep(lambda: stepper(lm, cache, next_position, cfg, max_position, context_ids))
+    `context_ids`: the prompt's tokens, which drafts are looked up in (`DecodeConfig.draft_tokens`).
+    `ape`: every step attends over the chunk slots as APE does (kvrag.model.ape)."""
+    forward = LazyStep(lambda: stepper(lm, cache, next_position, cfg, max_position, context_ids, ape))
     try:
         yield from _stream(lm, forward, first_logits, next_position, cfg, state, max_position, headers)
     finally:  # also when the stream is abandoned: the cache reads as decoded so far

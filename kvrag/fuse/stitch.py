@@ -31,6 +31,8 @@ from kvrag.model.masks import additive, causal_allowed
 from kvrag.model.loading import LoadedModel
 from kvrag.model.cache import LayerStack, unstack_layers
 from kvrag.model.rope import Rotary
+from kvrag.defaults import Ape
+from kvrag.errors import UnsupportedModelError
 
 # A key slot no query may see in this pass (a link slot the pass does not compute).
 HIDDEN_POSITION = torch.iinfo(torch.long).max
@@ -198,6 +200,7 @@ def forward_pass(
     rule: Rule | None = None,
     inputs_embeds: torch.Tensor | None = None,
     name: str = "pass",
+    ape: PassApe | None = None,
 ):
     """One forward of tokens at `positions` over `cache` whose slots sit at `key_pos`: causal by
     position, or by `rule` (positions -> boolean [q, kv]); `inputs_embeds` replaces the ids' embeddings.
@@ -207,8 +210,15 @@ def forward_pass(
     inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": input_ids}
     run = dict(position_ids=positions[None], use_cache=True, logits_to_keep=1, **cache_arg(lm.model, cache))
     if uses_spec(lm.model):
-        with attending_by(PassSpec(positions, key_pos, rule, name)) as marker:
+        spec = PassSpec(positions, key_pos, rule, name)
+        if ape is not None:
+            spec.ape, spec.ape_rows, spec.ape_context = ape.ape, ape.rows, ape.context
+        with attending_by(spec) as marker:
             return lm.model(**inputs, attention_mask=marker, **run)
+    if ape is not None:
+        raise UnsupportedModelError(
+            "APE needs kvrag's attention (a model loaded with attn_implementation='sdpa'), not "
+            f"{getattr(lm.model.config, '_attn_implementation', None)!r}")
     allowed = causal_allowed(positions, key_pos) if rule is None else rule(positions, key_pos)
     return lm.model(**inputs, attention_mask=additive(allowed, lm.dtype)[None, None], **run)
 
@@ -222,6 +232,31 @@ def pass_rule(stitched: Stitched, selected: torch.Tensor) -> Rule | None:
     return lambda query_pos, key_pos: link_picture(segments, query_pos, key_pos, global_rows=selected)
 
 
+@dataclass(frozen=True)
+class PassApe:
+    """APE in a recompute pass: its last `rows` queries (the question) over the key slots `context` marks."""
+
+    ape: Ape
+    rows: int
+    context: torch.Tensor  # bool [kv slots of the pass]
+
+
+def context_slots(stitched: Stitched) -> tuple[int, int]:
+    """The stitched cache's chunk slots, [start, stop): after the prefix, before the question (APE's context)."""
+    return len(stitched.segments.prefix), int(stitched.keys.shape[2])
+
+
+def pass_ape(ape: Ape | None, stitched: Stitched, key_pos: torch.Tensor) -> PassApe | None:
+    """The pass's APE over its chunk slots (link slots, computed at question time, are not context)."""
+    if ape is None or not ape.active:
+        return None
+    seg = stitched.segments
+    ctx = (key_pos >= len(seg.prefix)) & (key_pos < seg.context_len)
+    if seg.links:
+        ctx &= ~torch.isin(key_pos, stitched.link_positions().to(key_pos.device))
+    return PassApe(ape, seg.total_len - seg.context_len, ctx)
+
+
 @torch.no_grad()
 def recompute(
     lm: LoadedModel,
@@ -229,12 +264,15 @@ def recompute(
     selected: torch.Tensor,
     update: str = "overwrite",
     link_embeds: torch.Tensor | None = None,
+    ape: Ape | None = None,
 ) -> PrefillOutput:
     """The shared recompute pass over `selected` chunk positions, the link slots, and the question.
 
     `update="fusion"` blends the recomputed KV into the reused KV (SamKV eq. 4) instead of
     overwriting it (link slots, which hold nothing to blend with, are always overwritten).
     `link_embeds` [link slots, hidden]: the inputs of the link slots, in position order.
+    `ape`: the question's attention over the chunk slots as APE takes it (kvrag.model.ape; None or
+    T = S = 1: ordinary attention).
     """
     device = lm.device
     selected = selected.to(device=device, dtype=torch.long).sort().values
@@ -249,7 +287,8 @@ def recompute(
     cache = stitched.splice_cache()
     exact = torch.isin(rows, links) if links.numel() else None
     cache.overwrite(stitched.slots_of(rows).to(device) if rows.numel() else None, mode=update, exact=exact)
-    out = forward_pass(lm, cache, input_ids, positions, key_pos, pass_rule(stitched, selected), embeds, name="recompute")
+    out = forward_pass(lm, cache, input_ids, positions, key_pos, pass_rule(stitched, selected), embeds, name="recompute",
+                       ape=pass_ape(ape, stitched, key_pos))
     cache.overwrite(None)
     return PrefillOutput(out.logits[0, -1].float(), cache, stitched.segments.total_len)
 

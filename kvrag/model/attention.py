@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from kvrag.defaults import Ape
 from kvrag.errors import UnsupportedModelError
+from kvrag.model.ape import allowed_from_mask, ape_attention, decode_ape
 
 IMPL = "kvrag_sdpa"
 MASK_BUDGET = 1 << 24  # elements of one block's boolean mask (16 MiB as bool; a block is at least one query row)
@@ -69,6 +71,11 @@ class PassSpec:
     blocks: list[Block] = field(default_factory=list)
     kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> blocks that used it (first layer)
     recorded: bool = False
+    # APE (kvrag.model.ape): the pass's last `ape_rows` queries (the question) attend with `ape` over the
+    # key slots `ape_context` marks (bool [kv]: the chunk tokens); None: ordinary attention for every query
+    ape: Ape | None = None
+    ape_rows: int = 0
+    ape_context: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.budget = self.budget or MASK_BUDGET
@@ -198,13 +205,37 @@ def _attend_blocks(spec: PassSpec, module: Any, query: torch.Tensor, key: torch.
             spec.kernels[name] = spec.kernels.get(name, 0) + 1
         outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if spec.ape is not None and spec.ape.active:
+        out = _with_ape(spec, query, key, value, scaling, out)
     return out.transpose(1, 2).contiguous()
+
+
+def _with_ape(spec: PassSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+              out: torch.Tensor) -> torch.Tensor:
+    """The pass's last `ape_rows` rows (the question) attended again with APE
+    over the context slots; a few dozen rows, so one [rows, keys] score matrix a layer."""
+    n = spec.ape_rows
+    if n == 0 or spec.ape_context is None:
+        return out
+    q = query[:, :, -n:]
+    qp, kp = spec.query_pos[-n:], spec.key_pos
+    allowed = (kp[None, :] <= qp[:, None]) if spec.rule is None else spec.rule(qp, kp)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    rows = ape_attention(q, key, value, allowed[None, None], spec.ape_context[None, None, None, :], spec.ape, scale)
+    return torch.cat([out[:, :, :-n], rows.to(out.dtype)], dim=2) if n < out.shape[2] else rows.to(out.dtype)
 
 
 def kvrag_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
     """transformers' attention interface: by position inside a `PassSpec`, stock SDPA outside one."""
     spec = _ACTIVE.get()
     if spec is None:
+        dape = decode_ape()
+        if dape is not None:  # a decode step with APE over the chunk slots (kvrag.model.ape)
+            n_q, n_kv = query.shape[2], key.shape[2]
+            allowed = allowed_from_mask(attention_mask, n_q, n_kv)
+            scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            out = ape_attention(query, key, value, allowed, dape.context(n_kv, query.device), dape.ape, scale)
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
