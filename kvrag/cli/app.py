@@ -29,11 +29,19 @@ def _parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         module = import_module(f"kvrag.cli.{name}")
         getattr(module, _REGISTER.get(name, "register"))(sub)
+    summaries = {a.dest: a.help for a in sub._choices_actions}  # the one-liners `kvrag --help` lists
     for name, sub_parser in sub.choices.items():  # every --help shows defaults and one example
         sub_parser.formatter_class = HelpFormatter
+        if not sub_parser.description and summaries.get(name):  # `kvrag NAME --help` opens with what NAME does
+            sub_parser.description = _sentence(summaries[name])
         if not sub_parser.epilog and name in EXAMPLES:
             sub_parser.epilog = f"example: {EXAMPLES[name]}"
     return parser
+
+
+def _sentence(summary: str) -> str:
+    """A one-line summary as the opening sentence of a command's own --help."""
+    return summary[:1].upper() + summary[1:] + ("" if summary.endswith(".") else ".")
 
 
 EXAMPLES = {

@@ -53,15 +53,32 @@ def run_ingest(args: argparse.Namespace, open_engine: Callable[[], tuple[Any, An
     else:
         code = _ingest_locally(args, files, skipped, open_engine)
     if skipped:
-        print(f"kvrag: {len(skipped)} file(s) skipped: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
+        print(_skipped_summary(skipped), file=sys.stderr)
         return code or EXIT_SKIPPED
     return code
 
 
+SKIPPED_SHOWN = 10  # the closing summary names this many skipped files, each with why
+
+
+def _skipped_summary(skipped: Sequence[str]) -> str:
+    """The closing word on skipped files, each with why ("skipped notes.bin: not a text file (...)"): the
+    warnings printed as each was found have scrolled away behind the progress bars by then."""
+    lines = [f"kvrag: {len(skipped)} file(s) skipped:"] + [f"kvrag:   skipped {s}" for s in skipped[:SKIPPED_SHOWN]]
+    if len(skipped) > SKIPPED_SHOWN:
+        lines.append(f"kvrag:   ... and {len(skipped) - SKIPPED_SHOWN} more (each named with why above)")
+    return "\n".join(lines)
+
+
+def _why(path: Path | str, problem: str) -> str:
+    """`path: problem`, the path said once (most problems already start with it)."""
+    return problem if problem.startswith(str(path)) else f"{path}: {problem}"
+
+
 def _ingest_files(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
     """The files to ingest, each read through once before any model loads: a bad file named on the
-    command line is an error (exit 2); a bad one found in a folder is reported and skipped (its
-    path in the list returned beside the files). A folder's symlinks that lead out of it are not
+    command line is an error (exit 2); a bad one found in a folder is reported and skipped ("path: why"
+    in the list returned beside the files). A folder's symlinks that lead out of it are not
     followed without --follow-symlinks (each one named on stderr). Every file left out is named with
     why: not text, a FIFO or other special file, only whitespace, an unsupported type (a note)."""
     from kvrag.ingest.documents import SkippedPath, document_files
@@ -84,11 +101,11 @@ def _ingest_files(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
                 files.append(f)
             else:
                 print(f"kvrag: warning: skipping {problem}", file=sys.stderr)
-                skipped.append(str(f))
+                skipped.append(_why(f, problem))
     blank = [f for f in files if _blank(f)]
     for f in blank:
         print(f"kvrag: warning: skipping {f}: it holds no text (empty, or only whitespace)", file=sys.stderr)
-        skipped.append(str(f))
+        skipped.append(f"{f}: it holds no text (empty, or only whitespace)")
     files = [f for f in files if f not in blank]
     unsupported = [n for n in walk_notes if n.unsupported]
     if unsupported:
@@ -104,7 +121,7 @@ def _ingest_files(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
             print(f"kvrag: note: not following {note.path}: {note.reason}", file=sys.stderr)
         else:
             print(f"kvrag: warning: skipping {note.path}: {note.reason}", file=sys.stderr)
-            skipped.append(str(note.path))
+            skipped.append(f"{note.path}: {note.reason}")
     return list(dict.fromkeys(files)), skipped
 
 
@@ -193,7 +210,7 @@ def _ingest_chunks(files: Sequence[Path], args: argparse.Namespace, tokenizer: A
                     yield chunk
         except (ValueError, OSError) as exc:
             progress.write(f"kvrag: warning: skipping the rest of {f}: {exc}")
-            skipped.append(str(f))
+            skipped.append(f"the rest of {_why(f, str(exc))}")
     progress.estimate(final=True)
 
 
@@ -339,10 +356,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     rm = sub.add_parser("remove", help="remove ingested documents: their chunks from the index and their KV from the store",
                         epilog="example: kvrag remove notes.md")
-    add_engine_options(rm)
+    _add_remove_options(rm)
     rm.add_argument("paths", nargs="+", help="files given to `kvrag ingest` (as they were given)")
     ing.set_defaults(func=cmd_ingest)
     rm.set_defaults(func=cmd_remove)
+
+
+def _add_remove_options(rm: argparse.ArgumentParser) -> None:
+    """The engine options that say where a document is (store, model, device, index), not those of answering
+    (--decode-weights, --link-adapter): removing reads no weights, and the link adapter is the default one."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_options(probe)  # the same options, helps and defaults as every other command
+    for action in probe._actions:
+        if action.dest in ("decode_weights", "link_adapter"):
+            continue
+        kw = {"default": action.default, "help": action.help, "metavar": action.metavar, "type": action.type, "choices": action.choices}
+        rm.add_argument(*action.option_strings, **{k: v for k, v in kw.items() if v is not None})
+    rm.set_defaults(decode_weights=None, link_adapter="auto")
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -366,5 +396,11 @@ def cmd_remove(args: argparse.Namespace) -> int:
         gone = index.remove(source=str(path))
         deleted = rag.forget(gone)
         removed += len(gone)
-        print(f"{path}: {len(gone)} chunks removed from the index, {deleted} KV entries deleted", file=sys.stderr)
+        if gone:  # what was removed, on stdout: the command's result
+            ids = ", ".join(c.id for c in gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+            print(f"removed {path}: {len(gone)} chunks removed from the index ({ids}), {deleted} KV entries deleted "
+                  f"from {rag.store.url}")
+        else:
+            print(f"kvrag: {path}: not in the index, nothing removed (give the path as it was given to `kvrag ingest`)",
+                  file=sys.stderr)
     return 0 if removed else 1

@@ -50,13 +50,17 @@ def add_store_parser(subparsers: Any) -> argparse.ArgumentParser:
     st.add_argument("--model", default=os.environ.get("KVRAG_MODEL"),
                     help="with --project: HF model id, folder or .gguf (default: $KVRAG_MODEL, else the bundled SmolLM2)")
 
-    ls = sub.add_parser("ls", help="one line per entry (headers only, no tensor is read)", formatter_class=Fmt,
+    ls = sub.add_parser("ls", help="one line per entry, with its chunk id and document (headers only, no tensor is read)",
+                        formatter_class=Fmt,
                         epilog="example: kvrag store ls --model 3fa2c1 --kind chunk --limit 20")
     common(ls)
     ls.add_argument("--model", default=None, help="only entries whose model fingerprint starts with this")
     ls.add_argument("--kind", default=None, choices=("chunk", "similarity", "prefix"), help="only entries of this kind")
     ls.add_argument("--limit", type=positive_int, default=None, help="at most this many lines")
     ls.add_argument("--sort", default="age", choices=("age", "bytes", "key"), help="age: most recently used first")
+    ls.add_argument("--collection", default="kvrag_chunks",
+                    help="the retrieval index's collection whose chunk ids and documents label the entries "
+                         "($KVRAG_INDEX, else under $KVRAG_HOME/chroma)")
 
     rm = sub.add_parser("rm", help="delete entries by key, by chunk id or by document (KV and index links only)", formatter_class=Fmt,
                         epilog="examples:\n  kvrag store rm 3fa2c1d0e4b5\n  kvrag store rm --id 9f2c41d07be35a18 --id my-node-id\n"
@@ -168,8 +172,11 @@ def _store_command(args: argparse.Namespace) -> int:
         print(json.dumps(st) if args.json else format_stats(st), file=out)
         return 0
     if args.store_command == "ls":
-        rows = list_entries(admin, model=args.model, kind=args.kind, limit=args.limit, sort=args.sort)
-        print(json.dumps(rows) if args.json else format_ls(rows), file=out)
+        from kvrag.cli.store_names import format_named, label_rows
+
+        rows = label_rows(admin, list_entries(admin, model=args.model, kind=args.kind, limit=args.limit, sort=args.sort),
+                          args.collection)
+        print(json.dumps(rows) if args.json else format_named(format_ls(rows), rows), file=out)
         return 0
     if args.store_command == "rm":
         ids = list(args.ids)
