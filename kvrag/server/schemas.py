@@ -118,6 +118,7 @@ class KVRagContext(BaseModel):
     prefix_cache: bool | None = Field(default=None, description="false: neither read this request's start from the exact "
                                                                 "prefix cache nor keep its KV there (default: on)")
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024, description=CACHE_SALT_HELP)
+    warn_in_answer: bool | None = Field(default=None, description="false: an answer that read no document says so only in X-KVRag-Warning and kvrag_warning, not in its first line (kvrag.server.empty)")
 
     @property
     def has_context(self) -> bool:
