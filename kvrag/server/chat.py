@@ -11,7 +11,9 @@ the context it should have read. With retrieval off (`kvrag serve --no-retrieval
 false}`), or nothing indexed, it is plain chat: the messages alone through the chat template. The engine's stats ride along as
 `kvrag_stats` (in the last chunk when streaming), with OpenAI's `usage`. With `--cite-sources` (or the
 request's `"kvrag": {"cite": true}`) the answer's text ends with the retrieved documents' titles and files
-(kvrag.server.cite), for clients that show nothing but the text.
+(kvrag.server.cite), for clients that show nothing but the text. A request the server retrieved for and
+found nothing for (an empty index) says so: `X-KVRag-Warning`, `kvrag_warning` and, unless the request's
+`"kvrag": {"warn_in_answer": false}`, the answer's first line (kvrag.server.empty); /metrics counts it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvrag.ingest.follow_up import conversation_chunks
 from kvrag.kv.registry import removed_ids_by, request_scoped_chunks
 from kvrag.pipeline import AnswerStream
+from kvrag.server import empty
 from kvrag.server.cite import sources_block, with_sources
 from kvrag.server.errors import APIError, as_api_error, error_body, log
 from kvrag.server.fit import fit_retrieved
@@ -70,13 +73,20 @@ class Started:
     sources: list[dict[str, Any]] | None = None
     cite: str = ""  # the sources block to append to the answer's text (kvrag.server.cite), or ""
     dropped: list[dict[str, str]] | None = None  # retrieved chunks not answered from, and why (kvrag.server.fit)
+    warning: str | None = None  # why the answer read no document although the server retrieved (kvrag.server.empty)
+    preface: str = ""  # the warning's line that opens the answer's text, or "" (the request opted out)
 
     def extra(self) -> dict[str, Any]:
-        """The kvrag fields of the response: `kvrag_sources` when the server retrieved, `kvrag_dropped` when it skipped any."""
+        """The kvrag fields of the response: `kvrag_sources` when the server retrieved, `kvrag_dropped` when it skipped
+        any, `kvrag_warning` when it found nothing to read."""
         out: dict[str, Any] = {} if self.sources is None else {"kvrag_sources": self.sources}
         if self.dropped:
             out["kvrag_dropped"] = self.dropped
-        return out
+        return {**out, **empty.fields(self.warning)}
+
+    def headers(self) -> dict[str, str]:
+        """The response's kvrag headers: the retrieved chunks' ids, and the warning."""
+        return {**_source_headers(self.sources), **empty.headers(self.warning)}
 
 
 def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[[], Started]:
@@ -116,6 +126,7 @@ def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[
     retrieve = _retriever(state, req, conv)
     texts = message_texts(req.messages)
     cite = settings.cite_sources if ctx is None or ctx.cite is None else ctx.cite
+    warn_in_answer = ctx is None or ctx.warn_in_answer is not False
 
     def start_plain() -> Started:
         check_token_count(state.count_tokens(texts), settings)  # every message, as the engine reads them
@@ -128,7 +139,11 @@ def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[
                 sources = [source_of(c) for c in found]
                 return Started(rag.stream_chat(conv, chunks=found, options=opts), sources, sources_block(sources) if cite else "", dropped)
             # plain chat through the model's chat template; known chunks a client pasted into its messages are reused
-            return Started(rag.complete_chat(conv, options=opts), None if found is None else [], dropped=dropped)
+            warning = empty.warning_for(found, dropped)
+            if warning is not None:
+                empty.count(state.metrics, warning)
+            return Started(rag.complete_chat(conv, options=opts), None if found is None else [], dropped=dropped, warning=warning,
+                           preface=empty.first_line(warning) if warning and warn_in_answer else "")
 
     return start_plain
 
@@ -237,6 +252,8 @@ async def _events(state: ServerState, started: Started, finish: _Finish, req_id:
 
     try:
         yield _sse(chunk({"role": "assistant", "content": ""}, **sources))
+        if started.preface:  # the warning first: the one place every client shows (kvrag.server.empty)
+            yield _sse(chunk({"content": started.preface}))
         said = False
         async for piece in pieces_async(stream):
             if not said:  # the non-streaming answer is stripped; match it
@@ -262,6 +279,7 @@ async def _events(state: ServerState, started: Started, finish: _Finish, req_id:
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request) -> Any:
     state: ServerState = request.app.state.kvrag
+    empty.counter_of(state.metrics)  # on /metrics (at 0) from the first chat request on
     try:
         scope = cache_scope(request.state, state.settings, request_salt(req.cache_salt, req.kvrag and req.kvrag.cache_salt))
         start = _starter(state, req, scope)  # 400s (and 404 model_not_found) here, before queueing
@@ -288,7 +306,7 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
             _events(state, started, finish, req_id, created, max_new),
             finish,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **_source_headers(started.sources)},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **started.headers()},
         )
     try:
         text = await _collect(stream, request, state)
@@ -297,9 +315,9 @@ async def chat_completions(req: ChatRequest, request: Request) -> Any:
     finally:
         slot.release()
         state.metrics.observe_answer(stream.stats)
-    answer = with_sources(text.strip(), started.cite)
+    answer = started.preface + with_sources(text.strip(), started.cite)
     return JSONResponse(_completion(req_id, created, state.model_name, answer, stream.stats, max_new, started.extra()),
-                        headers=_source_headers(started.sources))
+                        headers=started.headers())
 
 
 async def _collect(stream: AnswerStream, request: Request, state: ServerState) -> str:
