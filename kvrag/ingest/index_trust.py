@@ -8,6 +8,13 @@ file's public name and its path: what answers are read from and credited to). A 
 entry whose MAC is missing or wrong: counted (`unverified_index_count`, /metrics) and its id logged
 (never its text), never answered nor credited. Without a key nothing is signed or checked.
 
+The vector an entry is found by is signed too: a copy of it (VECTOR_FIELD, float16) with a MAC over the
+entry's MAC and that copy (VECTOR_MAC_FIELD), and the vector the index returns must lie within
+VECTOR_MAX_DISTANCE of the copy (an index may re-normalise what it keeps, so its last bits are not
+compared). Moving a signed entry's vector onto another question's made it retrieved first, credited and
+answered. An entry signed before vectors were (no VECTOR_MAC_FIELD) is
+checked by re-embedding its text instead (`ChunkIndex`), and signed whole when it is next written.
+
 The encoding: the domain DOMAIN, then each field in a fixed order as a type tag (absent, string, or a
 JSON scalar) and a length-prefixed UTF-8 body. The store's own MACs start with an entry header's "{" or
 the id links' "kvrag-id-ref\\0", so no index MAC can be replayed as theirs, nor theirs as one.
@@ -26,13 +33,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvrag.cache_backends.format import MacKey
 
-__all__ = ["MAC_FIELD", "count_unverified_index", "entry_mac", "index_key", "signed_metadata", "unverified_index_count",
+__all__ = ["MAC_FIELD", "VECTOR_FIELD", "VECTOR_MAC_FIELD", "count_unverified_index", "vector_mac", "vector_verdict", "entry_mac", "index_key", "signed_metadata", "unverified_index_count",
            "verified_entry"]
 
 log = logging.getLogger("kvrag.ingest")
 
 MAC_FIELD = "kvrag_mac"  # the metadata key an entry's MAC is kept under
+VECTOR_FIELD = "kvrag_vec"  # the metadata key a signed copy of its vector is kept under (float16, base64)
+VECTOR_MAC_FIELD = "kvrag_vmac"  # the metadata key that copy's MAC is kept under
+VECTOR_MAX_DISTANCE = 1e-3  # cosine distance allowed between the signed copy and the vector the index holds
+MAX_VECTOR_CHARS = 1 << 16
 DOMAIN = b"kvrag-index-entry\x00"
+VECTOR_DOMAIN = b"kvrag-index-vector\x00"
 _TITLE, _SOURCE_NAME, _SOURCE = "title", "source_name", "source"  # as kvrag.ingest.retrieval keeps them
 KEY_ENV = "KVRAG_STORE_KEY"  # cache_backends.format.KEY_ENV, named here so a keyless index never imports torch
 HINT = "re-run `kvrag ingest` (or POST /v1/chunks) with $KVRAG_STORE_KEY set to sign what kvrag wrote without it"
@@ -73,11 +85,71 @@ def entry_mac(key: "MacKey", chunk_id: str, text: str | None, meta: Mapping[str,
     return key.mac("", payload).hexdigest()
 
 
-def signed_metadata(key: "MacKey | None", chunk_id: str, text: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """`meta` with the entry's MAC under MAC_FIELD (as it is without a key)."""
+def _encode_vector(vector: Any) -> str:
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(vector, dtype="<f2").tobytes()).decode("ascii")
+
+
+def _decode_vector(text: Any) -> Any:
+    import base64
+
+    import numpy as np
+
+    if not isinstance(text, str) or len(text) > MAX_VECTOR_CHARS:
+        return None
+    try:
+        return np.frombuffer(base64.b64decode(text.encode("ascii"), validate=True), dtype="<f2").astype(np.float64)
+    except (ValueError, UnicodeEncodeError):
+        return None
+
+
+def vector_mac(key: "MacKey", mac: str, encoded: str) -> str:
+    """The MAC of an entry's signed vector copy (VECTOR_FIELD), bound to the entry's own MAC (so to its id,
+    text, title and source)."""
+    body = encoded.encode("ascii", "replace")
+    return key.mac("", VECTOR_DOMAIN + mac.encode("utf-8", "surrogatepass") + len(body).to_bytes(8, "little") + body).hexdigest()
+
+
+def signed_metadata(key: "MacKey | None", chunk_id: str, text: str, meta: dict[str, Any], vector: Any = None) -> dict[str, Any]:
+    """`meta` with the entry's MAC under MAC_FIELD and, given its vector, the vector's under
+    VECTOR_MAC_FIELD (as it is without a key)."""
     if key is None:
         return meta
-    return {**meta, MAC_FIELD: entry_mac(key, chunk_id, text, meta)}
+    mac = entry_mac(key, chunk_id, text, meta)
+    out = {**meta, MAC_FIELD: mac}
+    if vector is not None:
+        encoded = _encode_vector(vector)
+        out[VECTOR_FIELD] = encoded
+        out[VECTOR_MAC_FIELD] = vector_mac(key, mac, encoded)
+    return out
+
+
+def vector_verdict(key: "MacKey | None", meta: Mapping[str, Any] | None, vector: Any) -> str:
+    """For an entry whose MAC verified: "ok" (the index finds it by the vector signed with it, within
+    VECTOR_MAX_DISTANCE, or there is no key), "moved" (by another vector, or a vector copy not signed with
+    it), "unsigned" (signed before vectors were: the caller re-embeds its text to check), "missing" (no
+    vector came back to check)."""
+    if key is None:
+        return "ok"
+    meta = meta or {}
+    signed, encoded = meta.get(VECTOR_MAC_FIELD), meta.get(VECTOR_FIELD)
+    if signed is None and encoded is None:
+        return "unsigned"
+    if vector is None:
+        return "missing"
+    if not (isinstance(signed, str) and isinstance(encoded, str) and hmac.compare_digest(
+            signed.encode("utf-8", "surrogatepass"), vector_mac(key, str(meta.get(MAC_FIELD, "")), encoded).encode())):
+        return "moved"
+    import numpy as np
+
+    copy, found = _decode_vector(encoded), np.asarray(vector, dtype=np.float64).ravel()
+    if copy is None or copy.shape != found.shape:
+        return "moved"
+    denom = float(np.linalg.norm(copy) * np.linalg.norm(found)) or 1.0
+    return "ok" if 1.0 - float(copy @ found) / denom <= VECTOR_MAX_DISTANCE else "moved"
 
 
 def verified_entry(key: "MacKey | None", chunk_id: str, text: str | None, meta: Mapping[str, Any] | None) -> bool:

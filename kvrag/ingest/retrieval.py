@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,7 +28,8 @@ from kvrag.ingest.index_url import (
     parse_index_url,
     unavailable_as,
 )
-from kvrag.ingest.index_trust import MAC_FIELD, index_key, signed_metadata, verified_entry
+from kvrag.ingest.index_guard import Binding, Screen, last_skipped, query_screened
+from kvrag.ingest.index_trust import MAC_FIELD, VECTOR_FIELD, VECTOR_MAC_FIELD, index_key, signed_metadata, vector_verdict, verified_entry
 from kvrag.types import Chunk
 
 # Set before sentence-transformers / huggingface_hub are imported anywhere below, so a local
@@ -42,10 +44,12 @@ __all__ = ["EMBEDDING", "ChunkIndex", "EmbeddingMismatchError", "IndexUnavailabl
 # chunk's own (simple values only, since Chroma stores nothing else).
 _TITLE_KEY = "title"
 SOURCE_NAME_KEY = "source_name"  # a file's name relative to the folder ingested (what clients are shown)
+_KVRAG_FIELDS = (MAC_FIELD, VECTOR_FIELD, VECTOR_MAC_FIELD)  # what the store key writes beside a chunk's own metadata
 EMBEDDING_KEY = "kvrag_embedding"  # collection metadata: the model its vectors came from
 EMBEDDING = "all-MiniLM-L6-v2/384/normalized"  # this build's embedding model, as the collection records it
 
 T = TypeVar("T")
+log = logging.getLogger("kvrag.ingest")
 _EMBEDDER: Any = None
 _EMBEDDER_LOCK = threading.Lock()
 
@@ -85,15 +89,23 @@ def _simple_metadata(chunk: Chunk) -> dict[str, str | int | float | bool]:
     """Chroma metadata for a chunk: its title plus the metadata values Chroma can store."""
     meta: dict[str, str | int | float | bool] = {}
     for key, value in (chunk.metadata or {}).items():
-        if isinstance(key, str) and key not in (_TITLE_KEY, MAC_FIELD) and isinstance(value, (str, int, float, bool)):
+        if isinstance(key, str) and key not in (_TITLE_KEY, *_KVRAG_FIELDS) and isinstance(value, (str, int, float, bool)):
             meta[key] = value
     meta[_TITLE_KEY] = chunk.title or ""
     return meta
 
 
+def _rows(values: Any, n: int) -> list[Any]:
+    """Chroma's vectors (a list, an array or None) as n rows (None each where it sent none)."""
+    if values is None:
+        return [None] * n
+    return [values[i] for i in range(len(values))]
+
+
 def _to_chunk(id_: str, document: str | None, metadata: Mapping[str, Any] | None) -> Chunk:
     meta = dict(metadata or {})
-    meta.pop(MAC_FIELD, None)  # the store key's business (kvrag.ingest.index_trust), never a chunk's own
+    for field in _KVRAG_FIELDS:  # the store key's business (kvrag.ingest.index_trust), never a chunk's own
+        meta.pop(field, None)
     title = meta.pop(_TITLE_KEY, "")
     return Chunk(id=id_, text=document or "", title=str(title or ""), metadata=meta)
 
@@ -186,7 +198,11 @@ class ChunkIndex:
     chunks added then record their file's name relative to them (SOURCE_NAME_KEY, what clients see).
     `key`: the store key (default `$KVRAG_STORE_KEY`; "" for none): with one, every entry written is
     signed and an entry read back whose MAC is missing or wrong is skipped by `query`, `query_many` and
-    `get`, counted and its id logged (kvrag.ingest.index_trust), never answered nor credited.
+    `get`, counted and its id logged (kvrag.ingest.index_trust), never answered nor credited; its vector is
+    signed too, and `query` skips an entry found by a vector not signed with it. `binding` (the server sets
+    it): whether the store binds each retrieved id to the text the index holds; `query` skips one it does
+    not (an old version replayed, a deleted entry re-added) and asks deeper for the next good ones
+    (kvrag.ingest.index_guard; `last_skipped` names what it skipped).
     """
 
     def __init__(
@@ -199,6 +215,7 @@ class ChunkIndex:
     ) -> None:
         self._where: IndexURL | None = None
         self._key = index_key(key)
+        self.binding: Binding | None = None
         if url is not None:
             if path is not None:
                 raise ValueError("ChunkIndex: give either path (an embedded index) or url (a shared one), not both")
@@ -346,7 +363,7 @@ class ChunkIndex:
                 ids=[c.id for c in batch],
                 documents=[c.text for c in batch],
                 embeddings=vectors,
-                metadatas=[self._entry_metadata(c) for c in batch],  # type: ignore[misc]
+                metadatas=[self._entry_metadata(c, v) for c, v in zip(batch, vectors)],  # type: ignore[misc]
             ))
         return len(items)
 
@@ -359,14 +376,14 @@ class ChunkIndex:
         replaced chunk would still name the old file as its source). Delete such entries first."""
         result = self._run(lambda coll: coll.get(ids=[c.id for c in batch], include=["metadatas"]))
         metas = result.get("metadatas") or [None] * len(result["ids"])
-        new_keys = {c.id: set(self._entry_metadata(c)) for c in batch}
+        new_keys = {c.id: set(self._entry_metadata(c)) | ({VECTOR_FIELD, VECTOR_MAC_FIELD} if self._key else set()) for c in batch}
         stale = [i for i, m in zip(result["ids"], metas) if set(m or {}) - new_keys[i]]
         if stale:
             self._run(lambda coll: coll.delete(ids=stale))
 
-    def _entry_metadata(self, chunk: Chunk) -> dict[str, Any]:
-        """What Chroma keeps beside a chunk's text: its simple metadata, signed when there is a key."""
-        return signed_metadata(self._key, chunk.id, chunk.text, _simple_metadata(chunk))
+    def _entry_metadata(self, chunk: Chunk, vector: Any = None) -> dict[str, Any]:
+        """What Chroma keeps beside a chunk's text: its simple metadata, signed (its vector too, given) when there is a key."""
+        return signed_metadata(self._key, chunk.id, chunk.text, _simple_metadata(chunk), vector)
 
     def _trusted(self, ids: Sequence[str], docs: Sequence[Any], metas: Sequence[Any]) -> list[Chunk]:
         """The entries the store key vouches for, as chunks (all of them without a key; the rest skipped,
@@ -380,12 +397,20 @@ class ChunkIndex:
     def _changed(self, items: list[Chunk], batch_size: int) -> list[Chunk]:
         """Those of `items` that are not in the index as they are (text and metadata, title included)."""
         stored: dict[str, tuple[Any, Any]] = {}
+        include = ["documents", "metadatas", "embeddings"] if self._key else ["documents", "metadatas"]
         for start in range(0, len(items), batch_size):
             ids = [c.id for c in items[start : start + batch_size]]
-            result = self._run(lambda coll: coll.get(ids=ids, include=["documents", "metadatas"]))
+            result = self._run(lambda coll: coll.get(ids=ids, include=include))
             docs = result.get("documents") or [None] * len(result["ids"])
             metas = result.get("metadatas") or [None] * len(result["ids"])
-            stored.update((i, (d, dict(m or {}))) for i, d, m in zip(result["ids"], docs, metas))
+            vecs = _rows(result.get("embeddings"), len(result["ids"]))
+            for i, d, m, v in zip(result["ids"], docs, metas, vecs):
+                m = dict(m or {})
+                if vector_verdict(self._key, m, v) != "ok":  # vector unsigned or moved: written whole again
+                    continue
+                m.pop(VECTOR_FIELD, None)
+                m.pop(VECTOR_MAC_FIELD, None)
+                stored[i] = (d, m)
         return [c for c in items if stored.get(c.id) != (c.text, self._entry_metadata(c))]  # unsigned ones: signed now
 
     def query(self, question: str, k: int = 5) -> list[Chunk]:
@@ -396,28 +421,48 @@ class ChunkIndex:
         """`query` for each question, asked in one call (a conversation's follow-up replays its earlier
         turns' retrieval: kvrag.ingest.follow_up). Each question is embedded alone (`query_vector`),
         so a replayed turn finds exactly what it found when it was asked (batching pads, and the last
-        bits of a vector could then part and reorder near ties)."""
+        bits of a vector could then part and reorder near ties). Entries the store key, their vector's
+        MAC or the store's binding do not vouch for are skipped and replaced by the next-ranked good ones,
+        asked for deeper within a bound (kvrag.ingest.index_guard)."""
         if not questions:
             return []
         count = len(self) if k > 0 else 0
         if count == 0:
             return [[] for _ in questions]
         vectors = [list(query_vector(q)) for q in questions]
-        result = self._run(lambda coll: coll.query(
-            query_embeddings=vectors,
-            n_results=min(k, count),
-            include=["documents", "metadatas", "distances"],
-        ))
-        out = []
-        for row, ids in enumerate(result["ids"]):
-            docs = (result.get("documents") or [[None] * len(ids)] * len(questions))[row]
-            metas = (result.get("metadatas") or [[None] * len(ids)] * len(questions))[row]
-            out.append(self._trusted(ids, docs, metas))
-        return out
+        include = ["documents", "metadatas", "distances"] + (["embeddings"] if self._key else [])
 
-    def get(self, ids: Sequence[str]) -> list[Chunk]:
-        """Chunks by id, in the order asked; ids not in the index (or, with a key, not verified) are skipped."""
-        return self._get(ids, verify=True)
+        def ask(rows: list[int], n: int) -> list[tuple[list, list, list, list | None]]:
+            result = self._run(lambda coll: coll.query(query_embeddings=[vectors[r] for r in rows], n_results=n, include=include))
+            out = []
+            for row, ids in enumerate(result["ids"]):
+                docs = (result.get("documents") or [[None] * len(ids)] * len(rows))[row]
+                metas = (result.get("metadatas") or [[None] * len(ids)] * len(rows))[row]
+                embs = result.get("embeddings")
+                out.append((list(ids), list(docs), list(metas), None if embs is None else _rows(embs[row], len(ids))))
+            return out
+
+        screen = Screen(lambda i, d, m: verified_entry(self._key, i, d, m), lambda m, v: vector_verdict(self._key, m, v),
+                        _to_chunk, query_vector, self.binding)
+        return query_screened(ask, len(questions), k, count, screen)
+
+    @staticmethod
+    def last_skipped() -> list[dict[str, str]]:
+        """What this thread's last `query`/`query_many` skipped before its k-th good entry, each `{"id", "reason"}`."""
+        return last_skipped()
+
+    def get(self, ids: Sequence[str], bound: bool = True) -> list[Chunk]:
+        """Chunks by id, in the order asked; ids not in the index (or, with a key, not verified, or not what
+        the store binds them to: `binding`) are skipped. `bound=False`: the index's verified entries whatever
+        the store binds (what reconciling the two after a write reads)."""
+        found = self._get(ids, verify=True)
+        if bound and self.binding is not None and found:
+            verdicts = self.binding(found)
+            for chunk, why in zip(found, verdicts):
+                if why is not None:
+                    log.debug("index entry %r not handed on by id: %s", chunk.id, why)
+            found = [c for c, why in zip(found, verdicts) if why is None]
+        return found
 
     def _get(self, ids: Sequence[str], verify: bool) -> list[Chunk]:
         wanted = list(ids)

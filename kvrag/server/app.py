@@ -13,6 +13,7 @@ from kvrag.decode.batch import decode_batch_stats, reserve_decode_rows
 from kvrag.engine import KVRag
 from kvrag.server import chat, chunks
 from kvrag.server.auth import APIKeys, KeyRing
+from kvrag.server.bindings import StoreBinding
 from kvrag.server.errors import install_error_handlers
 from kvrag.server.gate import RequestGate
 from kvrag.server.limits import LimitsAndCounts
@@ -31,6 +32,8 @@ def create_app(rag: KVRag, settings: ServerSettings | None = None, index: Any = 
     settings = settings or ServerSettings()
     if index is not None:  # an id whose KV entry is damaged or gone is recomputed from the index's text
         rag.recover_from(index)
+        if getattr(index, "_key", None) is not None and getattr(rag, "repo", None) is not None:
+            index.binding = StoreBinding(rag)  # with a store key, retrieval answers only what the store binds
     gate = RequestGate(settings.max_concurrency, settings.max_queue)
     if getattr(getattr(rag, "lm", None), "model", None) is not None:  # the answers running at once decode in one pool's rows
         reserve_decode_rows(rag.lm, settings.max_concurrency)

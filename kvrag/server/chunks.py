@@ -144,7 +144,7 @@ def settle(state: ServerState, ids: list[str]) -> None:
     followed by its writer's own confirmed link."""
     repo = state.rag.repo
     for _ in range(SETTLE_ROUNDS):
-        held = {c.id: c for c in state.index.get(ids)} if ids else {}
+        held = {c.id: c for c in state.index.get(ids, bound=False)} if ids else {}  # the index as it is, bound or not
         links = repo.store_links(list(held))
         if not held or links is None:
             return
