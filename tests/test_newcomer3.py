@@ -128,3 +128,46 @@ def test_store_ls_names_each_entrys_chunk_id_and_document(tmp_path, home, capsys
     rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)}
     assert (rows[keys["owl-1"]]["id"], rows[keys["owl-1"]]["document"]) == ("owl-1", "birds/owls.md")
     assert rows[keys["api-only"]]["id"] is None
+
+
+# -- issue 70, item 3 (in part): `kvrag ask --compare` words its speed honestly --------------------------
+def _row(label: str, ttft_s: float, full_ttft_s: float, agrees, read_whole: bool = False):
+    from kvrag.cli.ask import Comparison
+
+    return Comparison(label=label, text="1893", ttft_s=ttft_s, full_ttft_s=full_ttft_s, agrees=agrees, kl=0.001,
+                      reading="read whole" if read_whole else "recomputed 15%", read_whole=read_whole, context_tokens=412)
+
+
+def _compared(monkeypatch, capsys, mine, json_out: bool = False) -> str:
+    import argparse
+
+    from kvrag.cli import ask
+
+    full = _row("full", mine.full_ttft_s, mine.full_ttft_s, None)
+    monkeypatch.setattr(ask, "compare_runs", lambda *a, **k: [mine, full])
+
+    class Rag:
+        default_method = "fusionrag"
+
+    args = argparse.Namespace(temperature=0.0, method="fusionrag", json=json_out, sources=False, question="When?")
+    assert ask._ask_compared(args, Rag(), [], {"recompute_ratio": 0.15}) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ttft, full, says", [(0.100, 0.090, "1.1x slower to the first token (100 ms vs 90 ms)"),
+                                              (0.050, 0.200, "4.0x sooner to the first token (50 ms vs 200 ms)"),
+                                              (0.100, 0.102, "about as soon as Full Attention")])
+def test_compare_calls_a_slower_answer_slower(monkeypatch, capsys, ttft, full, says):
+    out = _compared(monkeypatch, capsys, _row("fusionrag@0.15", ttft, full, True))
+    line = out.splitlines()[-1]
+    assert says in line and line.endswith("the same answer as Full Attention (first-token KL 0.001)"), line
+    if ttft > full:
+        assert "sooner" not in line
+
+
+def test_compare_says_read_whole_the_same_as_full_instead_of_a_ratio(monkeypatch, capsys):
+    mine = _row("fusionrag@0.15", 0.077, 0.100, True, read_whole=True)  # the same work: 1.3x would be noise
+    line = _compared(monkeypatch, capsys, mine).splitlines()[-1]
+    assert "read whole: the same as Full" in line and not re.search(r"\d\.\dx", line), line
+    rows = json.loads(_compared(monkeypatch, capsys, mine, json_out=True))["compare"]
+    assert rows[0]["speedup"] is None and rows[0]["same_as_full"] is True and rows[1]["same_as_full"] is True

@@ -130,19 +130,19 @@ def _ask_compared(args: argparse.Namespace, rag, chunks, options: dict) -> int:
     runs = [(method, {}, "")] if method == "full" else [(method, {}, ""), ("full", {}, "")]
     rows = compare_runs(rag, args.question, chunks, runs, **options)
     mine, full = rows[0], rows[-1]
+    from kvrag.cli.compare_text import compare_json, compare_line
+
     if args.json:
         print(json.dumps({"answer": mine.text, "chunk_ids": [c.id for c in chunks], "sources": sources(chunks),
-                          "compare": [r.as_dict() for r in rows]}))
+                          "compare": [compare_json(r) for r in rows]}))
         return 0
     print(mine.text)
     if args.sources:
         print(source_lines(chunks))
     if mine.agrees is None:
         print("(--compare: this answer is Full Attention's, the reference)")
-    else:
-        verdict = "the same answer as Full Attention" if mine.agrees else f"DIFFERS from Full Attention's: {full.text}"
-        print(f"vs Full Attention: {mine.speedup:.1f}x sooner to the first token "
-              f"({mine.ttft_s * 1000:.0f} ms vs {full.ttft_s * 1000:.0f} ms); {verdict} (first-token KL {mine.kl:.3f})")
+    else:  # never "sooner" for a slower answer, nor a ratio where both read the same tokens whole
+        print(compare_line(mine, full))
     print(mine.reading, file=sys.stderr)
     return 0
 
