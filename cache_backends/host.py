@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 
 import torch
@@ -45,11 +46,26 @@ def physical_memory() -> int:
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _storage_refs(t: torch.Tensor) -> int:
+    """Python references to `t`'s storage object as `_use_count` sees them, less nobody else's."""
+    s = t.untyped_storage()
+    return sys.getrefcount(s)
+
+
+_STORAGE_REFS = _storage_refs(torch.empty(1))  # the count when no caller holds the storage object
+
+
 def _use_count(t: torch.Tensor) -> int | None:
-    """How many tensors share `t`'s storage, beside `t` (None where torch does not expose it)."""
+    """How many tensors share `t`'s storage, beside `t`, plus the caller's own references to its storage
+    object (None where torch does not expose the count). The storage object is one Python object per
+    storage that holds one count itself, so a caller holding only `entry.keys.untyped_storage()` shows
+    in its Python reference count, not in the storage's use count: without it, the pool would hand
+    that memory to a later read while the caller still reads it."""
     if _STORAGE_USE_COUNT is None:  # pragma: no cover - another torch: no reuse, always fresh buffers
         return None
-    return int(_STORAGE_USE_COUNT(t.untyped_storage()._cdata)) - 2  # minus `t` and the temporary storage
+    s = t.untyped_storage()
+    held = sys.getrefcount(s) - _STORAGE_REFS
+    return int(_STORAGE_USE_COUNT(s._cdata)) - 2 + max(0, held)  # minus `t` and the storage object
 
 
 def _fresh(nbytes: int) -> torch.Tensor:

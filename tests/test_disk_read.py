@@ -1,6 +1,7 @@
-"""The disk tier's read pipeline (cache_backends/disk_read.py): reader threads fill each entry's
-buffer piece by piece while the caller hashes the pieces in order. Small pieces here make every
-entry span many of them, so the hand-offs between threads are exercised on tiny files."""
+"""The disk tier's read pipeline (cache_backends/disk_read.py, disk_entry.py): reader threads fill each
+entry's buffer piece by piece and hash the pieces in order. Small pieces here make every entry span
+many of them, so the hand-offs between threads are exercised on tiny files; the pooled staging
+buffers are checked never to be handed out while a returned tensor still views them."""
 
 import os
 import threading
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kvrag.cache_backends import CorruptEntryError, DiskStore, KVEntry, StoreError, content_key
-from kvrag.cache_backends import disk_read
+from kvrag.cache_backends import disk_entry, disk_read
 from kvrag.cache_backends.disk_read import EntryFile, ReadBatch, read_entry
 from kvrag.cache_backends.format import encode_entry
 
@@ -151,7 +152,7 @@ def test_pieces_are_hashed_in_order_while_helpers_read_ahead(tmp_path):
     data = encode_entry(entry(tokens=64))
     path = tmp_path / "e.kv"
     path.write_bytes(data)
-    real = disk_read.pread_into
+    real = disk_entry.pread_into
     slow = threading.local()
 
     def pread(fd, view, start, stop):
@@ -160,14 +161,14 @@ def test_pieces_are_hashed_in_order_while_helpers_read_ahead(tmp_path):
         slow.n = getattr(slow, "n", 0) + 1
         return real(fd, view, start, stop)
 
-    disk_read.pread_into = pread
+    disk_entry.pread_into = pread
     try:
         fds = [os.open(path, os.O_RDONLY) for _ in range(3)]
         files = [EntryFile(i, "e", fd, torch.empty(len(data), dtype=torch.uint8)) for i, fd in enumerate(fds)]
         with ThreadPoolExecutor(2, thread_name_prefix="helper") as pool:
             got = ReadBatch(lambda i: files[i], 3, piece=777).run(pool, helpers=2)
     finally:
-        disk_read.pread_into = real
+        disk_entry.pread_into = real
     assert all(same(g, entry(tokens=64)) and n == len(data) for g, n in got)
     assert all(f.fd == -1 for f in files)  # the batch closed them
 
@@ -235,3 +236,70 @@ def test_large_read_buffers_are_mmap_backed_and_live_as_long_as_their_views():
     assert int(view.sum()) == 7 * 12345  # the memory is still there
     del view
     assert pool.take(HUGE_MIN + 100).data_ptr() == ptr
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_file_that_shrinks_between_its_open_and_its_read_is_a_miss(tmp_path, threads):
+    """The tight read-and-hash loop meets the end of the file early: a corrupt entry, never a short one."""
+    store = DiskStore(tmp_path, threads=threads, read="copy")
+    keys = [content_key("shrink", str(i)) for i in range(4)]
+    for i, k in enumerate(keys):
+        store.put(k, entry(seed=i, tokens=2000))  # ~1 MB: past the first piece
+    opener = store._open_entry
+
+    def shrinking(i, key):
+        got = opener(i, key)
+        if i == 2:
+            os.truncate(store._path(key), os.path.getsize(store._path(key)) - 70_000)
+        return got
+
+    store._open_entry = shrinking  # type: ignore[method-assign]
+    got = store.get_many(keys)
+    assert got[2] is None and store.stats().errors == 1
+    assert all(same(got[i], entry(seed=i, tokens=2000)) for i in (0, 1, 3))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_returned_tensor_is_never_overwritten_by_a_later_get(tmp_path, threads):
+    """Pooled staging buffers are reused only once nothing views them: tensors a caller still holds
+    (whole entries, a slice, a reinterpretation, a numpy array or a storage of theirs) keep their
+    bytes through many later gets of other entries of the same size, and no later entry lands in
+    their memory; the buffers the caller dropped are reused."""
+    store = DiskStore(tmp_path, threads=threads, read="copy")
+    held_keys = [content_key("held", str(i)) for i in range(6)]
+    other_keys = [content_key("other", str(i)) for i in range(6)]
+    for i, k in enumerate(held_keys + other_keys):
+        store.put(k, entry(seed=100 + i, tokens=300))
+    got = store.get_many(held_keys)
+    want = [entry(seed=100 + i, tokens=300) for i in range(6)]
+    held = {
+        "entry": got[0],
+        "slice": got[1].keys[2, 1],  # a view of a view
+        "reinterpreted": got[2].values.view(torch.int32),
+        "ids": got[3].token_ids,
+        "numpy": got[4].keys.numpy(),
+        "storage": got[5].values.untyped_storage(),
+    }
+    expect = {
+        "entry": want[0].keys.clone(),
+        "slice": want[1].keys[2, 1].clone(),
+        "reinterpreted": want[2].values.view(torch.int32).clone(),
+        "ids": want[3].token_ids.clone(),
+        "numpy": want[4].keys.numpy().copy(),
+        "storage": bytes(got[5].values.untyped_storage()),
+    }
+    spans = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in (g.keys.untyped_storage() for g in got)]
+    del got
+    reused = store.buffers.reused
+    for r in range(8):
+        fresh = store.get_many(other_keys if r % 2 else held_keys[1:])
+        for g in fresh:
+            s = g.keys.untyped_storage()
+            begin, end = s.data_ptr(), s.data_ptr() + s.nbytes()
+            assert all(end <= b or begin >= e for b, e in spans), "a later get landed in memory a caller still views"
+        del fresh
+    assert torch.equal(held["entry"].keys, expect["entry"]) and same(held["entry"], want[0])
+    assert torch.equal(held["slice"], expect["slice"]) and torch.equal(held["reinterpreted"], expect["reinterpreted"])
+    assert torch.equal(held["ids"], expect["ids"])
+    assert (held["numpy"] == expect["numpy"]).all() and bytes(held["storage"]) == expect["storage"]
+    assert store.buffers.reused > reused  # the pool is exercised: dropped buffers come back
