@@ -19,6 +19,7 @@ from kvrag.kv.repository import check_fits
 from kvrag.server.errors import APIError, as_api_error
 from kvrag.server.schemas import IngestRequest, check_chunk_count, check_token_count
 from kvrag.server.state import ServerState, admit, client_gone, in_thread
+from kvrag.server.write_undo import WriteUndo
 from kvrag.types import Chunk
 
 router = APIRouter()
@@ -59,9 +60,8 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
     each chunk fitting the model's context) is checked before anything is registered: a refused
     request leaves no chunk behind, here or in the store's id index. When the store did not keep
     the KV of some computed chunks (down, frozen, full), the answer is a 503 whose `error.not_stored`
-    lists them (the chunks are registered here and answered, their KV computed at question time, while the
-    store's id index binds them or cannot be read; an id it lost with the store is chunk_not_found until
-    ingested again: kvrag.kv.registry.removed_ids_by).
+    lists them, and each of them is put back as it was before the request: its registration here, its link in
+    the store and its entry in the index (kvrag.server.write_undo); the other chunks of the request are written.
     """
     state: ServerState = request.app.state.kvrag
     check_chunk_count(len(body.chunks), state.settings)
@@ -84,7 +84,11 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
                                 'Send "replace": true to replace them (their source and title become this request\'s), '
                                 "or use new ids", "chunk_exists", param="chunks", extra={"conflicts": taken})
         before = rag.repo.bindings(ids) if state.index is not None else None  # what a failed index write puts back
+        undo = WriteUndo.before(rag.repo, chunks, resolved.keys)  # what a write the store did not take puts back
         report = rag.precompute(chunks, progress=False)
+        failed = undo.failed(report.not_stored)
+        undo.undo(failed)  # a 503 below: nothing of these ids' write is left, here or in the store
+        report.not_stored = list(dict.fromkeys([*report.not_stored, *failed]))
         indexed = None
         if state.index is not None:  # retrievable by chat requests without context, as `kvrag ingest` leaves them
             missing = set(report.not_stored)  # as kvrag ingest: the index holds only chunks whose KV is stored
@@ -97,6 +101,8 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
             except Exception:  # the index refused (down, frozen): the store's links go back, so the 503 changed nothing
                 if before is not None:
                     rag.repo.rebind(before)
+                else:  # the store could not be read before: this replica's own registration goes back at least
+                    undo.undo([c.id for c in fresh])
                 raise
             try:
                 settle(state, [c.id for c in fresh])
@@ -121,9 +127,10 @@ async def ingest(body: IngestRequest, request: Request) -> Any:
         n = len(report.not_stored)
         raise APIError(
             503,
-            f"the KV store did not keep the KV of {n} of {report.computed} computed chunks (is it reachable, or full?): "
-            f"{', '.join(map(repr, report.not_stored[:5]))}{' ...' if n > 5 else ''}. The chunks are registered here and "
-            "answered meanwhile, their KV computed at question time; retry the ingest once the store is back",
+            f"the KV store did not keep the KV of {n} of {report.chunks} chunks, or could not confirm their ids' links "
+            f"(is it reachable, or full?): {', '.join(map(repr, report.not_stored[:5]))}{' ...' if n > 5 else ''}. "
+            "These ids were put back as they were before this request (here, in the store and in the index): "
+            "retry the ingest once the store is back",
             "kv_not_stored",
             headers={"Retry-After": str(state.settings.retry_after_s)},
             type="server_error",
