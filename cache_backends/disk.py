@@ -5,10 +5,10 @@ a store key, its MAC: format.MacKey) before anything is returned, and both refus
 than the store's entry bound on its fstat, before any buffer is taken or any page mapped
 (`limit_entry_bytes`; the size cap bounds an entry too):
 - "copy" (the default; disk_read.ReadBatch): each file is read once, by `threads` readers (default:
-  the CPU count, at most 4; the caller is one of them) with `preadv`, which releases the GIL, into
-  a staging buffer of its own that the entry's tensors view (no further copy; pinned with `pin=True`
-  on CUDA, so the host-to-device copy that follows is an asynchronous DMA; see host.BufferPool for
-  the lifetime rule), each piece hashed as it lands. The bytes are the caller's memory: a tier
+  the CPU count, at most 4, the caller one of them, helpers only on CPUs idle at the request) with
+  `preadv`, which releases the GIL, into a staging buffer of its own that the entry's tensors view
+  (no further copy; pinned with `pin=True` on CUDA, so the host-to-device copy that follows is an
+  asynchronous DMA; see host.BufferPool for the lifetime rule), each piece hashed as it lands. The bytes are the caller's memory: a tier
   above keeps them as they are (the host tier on CUDA keeps the pinned buffer itself).
 - "map" (disk_map): the file's pages are mapped copy-on-write and the tensors view them: one
   checksum pass over the page cache, but pages of the file, not the process's memory, so a tier
@@ -49,7 +49,7 @@ from .byte_store import ByteStore, Fetched
 from .disk_index import DiskIndex
 from .disk_map import map_entry
 from .disk_files import SymlinkedFolderError, open_folder, unlink_in, write_at
-from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, open_entry_file, read_entry  # noqa: F401 - read_entry: store admin's
+from .disk_read import PARALLEL, EntryFile, Opened, ReadBatch, idle_cpus, open_entry_file, read_entry  # noqa: F401 - read_entry: store admin's
 from .format import MAX_HEADER_BYTES, MacKey, parse_header
 from .host import BufferPool
 
@@ -126,6 +126,9 @@ class DiskStore(DiskIndex, ByteStore):
     ) -> None:
         """`read`: "copy" (the default, "auto" too: into staging buffers of the process, pinned with
         `pin`: see disk_read) or "map" (tensors view the file's pages, see disk_map).
+        `threads`: readers of a copy request, the caller included; by default the CPU count, at most 4,
+        of which the helpers join a request only while CPUs are idle (disk_read.idle_cpus); a count
+        given here is always used.
         `clean_temp=False` leaves stale temp files alone on open (`kvrag store` lists them first).
         `key`: entries are signed and checked with it (default `$KVRAG_STORE_KEY`; see ByteStore); with
         one, opening looks at a few entry headers and warns once if some are unsigned (`warn_unsigned`)."""
@@ -144,6 +147,8 @@ class DiskStore(DiskIndex, ByteStore):
             raise StoreError(f"disk store read mode must be one of {', '.join(READ_MODES)} (got {read!r})")
         self.read = "copy" if read == "auto" else read
         self.threads = max(1, threads or min(4, os.cpu_count() or 1))  # readers, the caller included
+        self.adaptive = not threads  # the default: helpers join a request only on idle CPUs; a given count always
+        self.helped = 0  # copy requests read with helpers (the bench reports it beside the default's figure)
         self._pool: ThreadPoolExecutor | None = None
         self.temp_cleaned = self.clean_temp() if clean_temp else 0
         self._size: int | None = None  # running estimate, rescanned when over the cap
@@ -183,7 +188,12 @@ class DiskStore(DiskIndex, ByteStore):
         if self.read == "map":
             return self._map_many(keys)
         helpers = self.threads - 1 if PARALLEL else 0
+        if helpers and self.adaptive:  # the default: helpers only on CPUs that are idle now (disk_read.idle_cpus)
+            idle = idle_cpus()
+            helpers = helpers if idle is None else max(0, min(helpers, idle))
         pool = self._helpers() if helpers and keys else None
+        if pool is not None:
+            self.helped += 1
         return ReadBatch(lambda i: self._open_entry(i, keys[i]), len(keys)).run(pool, helpers)
 
     def _helpers(self) -> ThreadPoolExecutor:

@@ -303,3 +303,27 @@ def test_a_returned_tensor_is_never_overwritten_by_a_later_get(tmp_path, threads
     assert torch.equal(held["ids"], expect["ids"])
     assert (held["numpy"] == expect["numpy"]).all() and bytes(held["storage"]) == expect["storage"]
     assert store.buffers.reused > reused  # the pool is exercised: dropped buffers come back
+
+
+def test_default_helpers_join_a_request_only_on_idle_cpus(tmp_path, monkeypatch):
+    """The default reader count: helpers only while CPUs are idle (a busy machine reads faster alone);
+    a count given to the store is always used."""
+    from kvrag.cache_backends import disk as disk_module
+
+    store = DiskStore(tmp_path, read="copy")
+    store.threads = max(2, store.threads)  # a 1-CPU runner too: the gate is the same
+    keys = fill(store, 4)
+    for idle, helped in ((0, 0), (-3, 0), (1, 1), (None, 1)):
+        monkeypatch.setattr(disk_module, "idle_cpus", lambda idle=idle: idle)
+        before = store.helped
+        assert all(same(g, entry(seed=i)) for i, g in enumerate(store.get_many(keys)))
+        assert store.helped - before == helped, idle
+    fixed = DiskStore(tmp_path, read="copy", threads=2)
+    monkeypatch.setattr(disk_module, "idle_cpus", lambda: 0)
+    assert all(same(g, entry(seed=i)) for i, g in enumerate(fixed.get_many(keys))) and fixed.helped == 1
+
+
+def test_idle_cpus_counts_the_caller_as_running():
+    idle = disk_read.idle_cpus()
+    if idle is not None:  # Linux: /proc/loadavg
+        assert idle <= (os.cpu_count() or 1) - 1
