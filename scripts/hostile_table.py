@@ -21,7 +21,10 @@ tenant rows (scripts/hostile_tenants.py: a third server with a write and a read 
 refuse a question, a truncated entry and a lost link asked by id, a replace the index refuses
 mid-request, an edited and a forged index entry behind a server whose index is signed with a store key
 (never answered nor credited), `chroma run` frozen by SIGSTOP (/health within 1 s, a 503 within the 10 s
-bound), the start-up refusals and `gc --unverified` beside another key's entries.
+bound), the start-up refusals and `gc --unverified` beside another key's entries. Then issue 69's rows
+(scripts/hostile_round4.py): planted, forged, nested, FIFO and symlinked calibration files; an old signed
+index version replayed, a deleted entry re-added, a moved vector and five decoys under a keyed server;
+Redis killed mid-replace (SPLIT: by id and by retrieval answering different versions afterwards).
 
     python scripts/hostile_table.py [--model tiny|bundled] [--out DIR]
 
@@ -57,6 +60,7 @@ from kvrag.server import ServerSettings, create_app  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hostile_store import StoreCtx, store_rows  # noqa: E402
+from hostile_round4 import round4_rows  # noqa: E402
 from hostile_tenants import tenant_rows  # noqa: E402
 
 ORIGINAL = "The Brannoch Line opened to passengers on 4 March 1921 after years of delay."
@@ -373,20 +377,26 @@ def main(argv: list[str] | None = None) -> int:
                 more, tenants_lost = tenant_rows(Path(tmp), lambda url: KVRag(rag.lm, store=url, check=False), settings, start_server)
                 rows += more
                 store_lost.append(tenants_lost)
+                more, round4_lost, split = round4_rows(Path(tmp), lambda url: KVRag(rag.lm, store=url, check=False), settings, start_server)
+                rows += more
+                store_lost.append(round4_lost)
         finally:
             server.should_exit = True
             thread.join(10)
     crashes, wrong = sum(row["verdict"] == "CRASH" for row in rows), sum(row["verdict"] == "WRONG" for row in rows)
     hangs, lost = sum(row["verdict"] == "HANG" for row in rows), len(ctx.lost) + sum(store_lost)
-    summary = f"inputs tried {len(rows)}, crashes {crashes}, hangs {hangs}, wrong answers {wrong}, lost entries {lost}"
+    split = sum(row["verdict"] == "SPLIT" for row in rows)
+    summary = (f"inputs tried {len(rows)}, crashes {crashes}, hangs {hangs}, wrong answers {wrong}, lost entries {lost}, "
+               f"split states {split}")
     table = render(rows, summary)
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "hostile.md").write_text(table + "\n")
         (args.out / "hostile.json").write_text(json.dumps({"model": args.model, "rows": rows, "inputs": len(rows), "crashes": crashes,
-                                                           "hangs": hangs, "wrong_answers": wrong, "lost_entries": lost}, indent=2) + "\n")
-    return 1 if crashes or wrong or hangs or lost else 0
+                                                           "hangs": hangs, "wrong_answers": wrong, "lost_entries": lost,
+                                                           "split_states": split}, indent=2) + "\n")
+    return 1 if crashes or wrong or hangs or lost or split else 0
 
 
 def keyed_rows(rag: KVRag, http: httpx.Client, tmp: Path, settings: ServerSettings, lost: list[int]) -> list[dict[str, Any]]:
