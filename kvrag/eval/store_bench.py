@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -66,12 +67,17 @@ def random_entries(n: int = 10, shape: tuple[int, ...] = SMOLLM2_SHAPE, dtype: t
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Median seconds of each function, rounds interleaved (one warm-up call each first)."""
+    """Median seconds of each function, rounds interleaved (one warm-up call each first), each round in
+    a fresh order (seeded): a row's figure depends on what ran just before it (the caches it left),
+    and on the 2-core machine the same serial disk read measured 0.80 of a plain read + xxh3 when it
+    always ran right after that read and 0.92 when it ran after another disk read."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order, shuffle = list(fns.items()), random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in fns.items():
+        shuffle(order)
+        for name, fn in order:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
