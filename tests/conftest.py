@@ -15,6 +15,8 @@ _TEST_PLACES = (os.environ.get("KVRAG_TEST_HOME"), os.environ.get("KVRAG_TEST_MO
 _USER_PLACES = home_guard.user_places(os.environ, _TEST_PLACES)
 _GUARD = os.environ.get(home_guard.OFF_ENV) != "0"
 _BEFORE = home_guard.snapshot(_USER_PLACES, _TEST_PLACES) if _GUARD else {}
+_LOOK = [home_guard.signature(_USER_PLACES) if _GUARD else {}]  # the last cheap look (after the last test)
+_SEEN_AFTER: list[str] = []  # tests after which a cheap look found a change
 # The suite's $KVRAG_HOME is set here, on import, not in a fixture: test modules that build an engine at import
 # (tests/test_langchain.py) run the gate during collection, which writes its verdict under $KVRAG_HOME/checks;
 # with the home set only by a session fixture, that verdict went to the user's ~/.kvrag.
@@ -64,9 +66,21 @@ def kvrag_home():
     yield Path(_HOME)
     if _OWN_HOME:
         shutil.rmtree(_HOME, ignore_errors=True)
-    failure = home_guard.verdict(_USER_PLACES, _BEFORE, _TEST_PLACES) if _GUARD else None
+    failure = home_guard.verdict(_USER_PLACES, _BEFORE, _TEST_PLACES, _SEEN_AFTER) if _GUARD else None
     if failure:
         pytest.fail(failure, pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _user_folders_watched(request):
+    """After each test, a cheap look at the user's kvrag folders (home_guard.signature): the session's verdict
+    then names the test after which a change was first seen."""
+    yield
+    if _GUARD:
+        look = home_guard.signature(_USER_PLACES)
+        if look != _LOOK[0]:
+            _SEEN_AFTER.append(request.node.nodeid)
+            _LOOK[0] = look
 
 
 @pytest.fixture(scope="session")

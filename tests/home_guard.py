@@ -68,12 +68,30 @@ def changes(before: Snapshot, after: Snapshot) -> list[str]:
     return lines
 
 
-def verdict(places: list[Path], before: Snapshot, skip: Iterable[str | None] = ()) -> str | None:
-    """None when nothing under `places` changed since `before`; else the failure message, naming the paths."""
+def signature(places: Iterable[Path]) -> Snapshot:
+    """A cheap look, taken after every test: the guarded folders and the folders directly in them (a file made,
+    replaced or deleted in a folder changes that folder's time), so a change can be pinned to the test after which
+    it was first seen. The snapshot at the end is what decides; this only names where to look."""
+    seen: Snapshot = {}
+    for root in places:
+        for path in [root, *(root.iterdir() if root.is_dir() else ())]:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            seen[str(path)] = (st.st_mtime_ns, st.st_size)
+    return seen
+
+
+def verdict(places: list[Path], before: Snapshot, skip: Iterable[str | None] = (), seen_after: Iterable[str] = ()) -> str | None:
+    """None when nothing under `places` changed since `before`; else the failure message, naming the paths (and the
+    tests after which a change was first seen, `seen_after`)."""
     found = changes(before, snapshot(places, skip))
     if not found:
         return None
     shown = "\n  ".join(found[:30]) + (f"\n  ... and {len(found) - 30} more" if len(found) > 30 else "")
+    tests = list(dict.fromkeys(seen_after))
+    where = ("\nfirst seen after: " + ", ".join(tests[:10])) if tests else ""
     return (f"the test run changed the user's own kvrag folders ({', '.join(map(str, places))}); tests must write only "
-            f"under their own $KVRAG_HOME ({os.environ.get('KVRAG_HOME')}) and temporary folders:\n  {shown}\n"
-            f"(if a kvrag of your own wrote there during the run, rerun, or set {OFF_ENV}=0)")
+            f"under their own $KVRAG_HOME ({os.environ.get('KVRAG_HOME')}) and temporary folders:\n  {shown}{where}\n"
+            f"(if a kvrag of your own, not the suite, wrote there during the run, rerun, or set {OFF_ENV}=0)")
