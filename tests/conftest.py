@@ -1,3 +1,4 @@
+import atexit
 import os
 import shutil
 import sys
@@ -22,6 +23,8 @@ _SEEN_AFTER: list[str] = []  # tests after which a cheap look found a change
 # with the home set only by a session fixture, that verdict went to the user's ~/.kvrag.
 _OWN_HOME = not os.environ.get("KVRAG_TEST_HOME")
 _HOME = os.environ.get("KVRAG_TEST_HOME") or tempfile.mkdtemp(prefix="kvrag-test-home-")
+if _OWN_HOME:  # at exit, so a run that collects only (or is interrupted) leaves no home behind either
+    atexit.register(shutil.rmtree, _HOME, True)
 os.environ["KVRAG_HOME"] = _HOME
 os.environ["KVRAG_MODEL_CACHE"] = os.environ.get("KVRAG_TEST_MODEL_CACHE") or str(Path(_HOME) / "models")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,8 +67,6 @@ def kvrag_home():
     set on import (above); at the end of the session the user's own folders are compared with their snapshot
     from before collection, and any change fails the run, naming the paths."""
     yield Path(_HOME)
-    if _OWN_HOME:
-        shutil.rmtree(_HOME, ignore_errors=True)
     failure = home_guard.verdict(_USER_PLACES, _BEFORE, _TEST_PLACES, _SEEN_AFTER) if _GUARD else None
     if failure:
         pytest.fail(failure, pytrace=False)
