@@ -22,7 +22,7 @@ from kvrag import Chunk, KVRag, from_model
 from kvrag.check import calibration_store as store
 from kvrag.check.answers import parted
 from kvrag.check.default import default_for, forget_in_process
-from kvrag.defaults import DEFAULT_RATIO, DEFAULT_SHORT_CONTEXT, FIXED_DEFAULT, DefaultSetting
+from kvrag.defaults import DEFAULT_RATIO, DEFAULT_SHORT_CONTEXT, FIXED_DEFAULT, Ape, DefaultSetting
 from kvrag.eval import synthetic
 from kvrag.options import AnswerOptions
 from tiny import tiny_model, tiny_tokenizer
@@ -129,8 +129,11 @@ def test_a_model_that_fails_calibration_gets_full_attention_with_the_prefix_cach
     assert again.stats.prefix_hit_tokens > 0  # Full Attention with the exact prefix cache
     assert first.stats.default.startswith("full (calibrated: no reuse setting") and "default=full" in first.stats.summary()
     result = store.read_result(lm.fingerprint, "cpu")
+    search = result["ape_search"]  # APE's temperature and scale, searched first; its settings measured too where active
+    ape = Ape(search["temperature"], search["scale"])
     assert result is not None and [r["setting"] for r in result["settings"]] == [
-        calibrate._name(m, r) for m, r in calibrate.candidate_settings()]
+        calibrate._name(*s) for s in calibrate.candidate_settings(ape)]
+    assert result["rule"]["by"] == "agreement"  # no gold here: Full answers none right, agreement with it rules
 
 
 def test_a_model_that_passes_calibration_gets_the_approximate_method(runs, monkeypatch):
@@ -184,7 +187,9 @@ def test_a_kept_calibration_is_reused_by_another_process(runs, tmp_path):
 
 
 def _fabricated(method: str = "a3", ratio: float = 0.3) -> dict:
-    return {"chosen": {"method": method, "ratio": ratio, "why": "made up"}, "settings": [{"setting": "reuse"}]}
+    """A result whose choice is among the rows that passed (a choice that is not is refused: trust tests)."""
+    row = {"setting": calibrate._name(method, ratio), "method": method, "ratio": ratio, "status": "passed"}
+    return {"chosen": {"method": method, "ratio": ratio, "why": "made up"}, "settings": [{"setting": "reuse"}, row]}
 
 
 @pytest.mark.parametrize("damage", ["truncated", "edited", "old version", "unknown method", "not json"])

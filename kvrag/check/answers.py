@@ -24,6 +24,12 @@ def agreement(prediction: str, reference: str) -> float:
     return float(normalize(prediction) == normalize(reference))
 
 
+def contains(prediction: str, answers: list[str]) -> float:
+    """1 if any acceptable answer appears in the prediction (normalised), else 0."""
+    pred = normalize(prediction)
+    return float(any(normalize(a) and normalize(a) in pred for a in answers))
+
+
 def parted(partial: str, reference: str) -> bool:
     """Whether an answer still being generated can no longer equal `reference` after normalisation: a
     word it has finished differs from the reference's, or its last word, which may only grow, does not

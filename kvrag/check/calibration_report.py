@@ -15,15 +15,25 @@ def calibration_table(result: dict[str, Any]) -> str:
     lines = [
         f"calibration on {result.get('device', '?')} ({result.get('dtype', '?')}): {result.get('questions', '?')} questions over "
         f"{result.get('contexts', '?')} contexts ({tokens} chunk tokens), {result.get('new_tokens', '?')} new tokens, {took}",
-        f"{'setting':<16} {'same as Full':>12} {'first-token KL':>15} {'TTFT Full/setting':>18}  verdict",
     ]
+    rule = result.get("rule") or {}
+    if rule.get("by") == "right":
+        lines.append(f"Full Attention answered {rule.get('full_right')} right; a setting must keep at least "
+                     f"{rule.get('full_right', 0) - rule.get('may_lose', 0)} of them and answer {rule.get('right_needed')} right in all")
+    search = result.get("ape_search")
+    if isinstance(search, dict):
+        lines.append(f"APE search ({search.get('method')}, {search.get('questions')} questions, answer KL to Full): "
+                     f"T={search.get('temperature'):g} S={search.get('scale'):g} at {search.get('kl'):.4f}, "
+                     f"plain {search.get('plain_kl')}")
+    lines.append(f"{'setting':<26} {'right':>6} {'kept':>6} {'same as Full':>12} {'first-token KL':>15} {'TTFT Full/setting':>18}  verdict")
     for r in result.get("settings", []):
         if r.get("status") == "skipped":
-            lines.append(f"{r['setting']:<16} {'':>12} {'':>15} {'':>18}  skipped: {r.get('note', '')}")
+            lines.append(f"{r['setting']:<26} {'':>6} {'':>6} {'':>12} {'':>15} {'':>18}  skipped: {r.get('note', '')}")
             continue
         verdict = r["status"] if r["status"] == "passed" or r["asked"] == result.get("questions") else f"{r['status']} (dropped early)"
         same = f"{r['same']}/{r['asked']}" if r["asked"] else "-"
-        lines.append(f"{r['setting']:<16} {same:>12} {r['kl']:>15.3f} "
+        right, kept = str(r.get("right", "-")), str(r.get("kept", "-"))
+        lines.append(f"{r['setting']:<26} {right:>6} {kept:>6} {same:>12} {r['kl']:>15.3f} "
                      f"{r['ttft_ratio']:>17.2f}x  {verdict}")
     chosen = setting_of(result)
     lines.append(f"default: {chosen.name}: {chosen.why}")

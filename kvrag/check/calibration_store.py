@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.check import calibration_file as cfile
-from kvrag.defaults import DefaultSetting, model_cache_dir
+from kvrag.defaults import Ape, DefaultSetting, model_cache_dir
 from kvrag.version import __version__
 
 log = logging.getLogger(__name__)
 
 # Bump when what calibration measures (or how it chooses) changes: results kept by an older one are re-run.
-CALIBRATION_VERSION = "1"
+CALIBRATION_VERSION = "2"  # 2: the rule keeps Full's right answers; APE settings among the candidates
 # The settings a calibration may choose (kvlink needs an adapter: never a calibrated default).
 CHOOSABLE = ("full", "reuse", "fusionrag", "cacheblend", "epic", "a3")
 SET_PATH = Path(__file__).with_name("calibration_set.json")
@@ -79,7 +79,12 @@ def setting_of(result: dict[str, Any]) -> DefaultSetting:
         raise ValueError(f"calibration chose an unknown setting: {method!r}")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
         raise ValueError(f"calibration chose a ratio out of range: {ratio!r}")
-    return DefaultSetting(method, float(ratio), "calibrated", why)
+    ape = chosen.get("ape")
+    if ape is not None:  # APE's temperature and scale (kvrag.check.ape_search); Ape checks their range
+        if not isinstance(ape, dict) or set(ape) != {"temperature", "scale"}:
+            raise ValueError(f"calibration chose a malformed APE setting: {ape!r}")
+        ape = Ape(ape["temperature"], ape["scale"])
+    return DefaultSetting(method, float(ratio), "calibrated", why, ape)
 
 
 def _passed(result: dict[str, Any], setting: DefaultSetting) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvrag.check.answers import agreement, first_token_kl, normalize  # noqa: F401 (re-exported: one definition of "the same answer")
+from kvrag.check.answers import agreement, contains, first_token_kl, normalize  # noqa: F401 (re-exported: one definition of "the same answer")
 
 
 def f1(prediction: str, truth: str) -> float:
@@ -21,9 +21,3 @@ def f1(prediction: str, truth: str) -> float:
 
 def best_f1(prediction: str, answers: list[str]) -> float:
     return max((f1(prediction, a) for a in answers), default=0.0)
-
-
-def contains(prediction: str, answers: list[str]) -> float:
-    """1 if any acceptable answer appears in the prediction (normalised), else 0."""
-    pred = normalize(prediction)
-    return float(any(normalize(a) and normalize(a) in pred for a in answers))
