@@ -8,7 +8,6 @@ HTTP; a tiny random model (the mechanics)."""
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 
@@ -30,12 +29,6 @@ NEW = {**OLD, "text": "The Quillon Bridge opened in 1911, rebuilt by the city."}
 FACTS = [{"id": f"f{i}", "text": f"Quillon Bridge fact {i}: the bridge has {i + 2} arches and spans the river.",
           "title": f"Bridge fact {i}"} for i in range(6)]
 OWL = {"id": "owl", "text": "Owls hunt at night in the quiet forest.", "title": "Owls"}
-
-
-def _chat_names_skips() -> bool:
-    from kvrag.server import chat as chat_route
-
-    return "last_skipped" in inspect.getsource(chat_route)
 
 
 @pytest.fixture
@@ -132,8 +125,6 @@ def test_five_unsigned_decoys_are_replaced_by_the_next_good_entries(served):
     assert all(s["reason"] == index_guard.NO_MAC for s in index.last_skipped())
 
 
-@pytest.mark.xfail(not _chat_names_skips(), reason="needs kvrag/server/chat.py to add ChunkIndex.last_skipped() to "
-                   "kvrag_dropped (issue 69; the change is described in the session's report)", strict=False)
 def test_every_skip_is_named_in_kvrag_dropped(served):
     index, http = served
     for part in (FACTS[:3], FACTS[3:]):  # the server's --max-chunks is 4

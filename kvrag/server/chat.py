@@ -131,9 +131,12 @@ def _starter(state: ServerState, req: ChatRequest, scope: str = "") -> Callable[
     def start_plain() -> Started:
         check_token_count(state.count_tokens(texts), settings)  # every message, as the engine reads them
         found = retrieve() if retrieve is not None else None
-        dropped: list[dict[str, str]] = []
+        # index entries retrieval skipped (the store binds their id to other text, or a moved vector): named too
+        skipped = getattr(state.index, "last_skipped", None) if found is not None else None
+        dropped: list[dict[str, str]] = list(skipped()) if callable(skipped) else []
         if found:  # a bad or oversized entry is skipped, the lowest-ranked dropped until they fit: never a 400
-            found, dropped = fit_retrieved(rag, conv, found, opts, state.model_facts.adapter_link_tokens)
+            found, fitted = fit_retrieved(rag, conv, found, opts, state.model_facts.adapter_link_tokens)
+            dropped += fitted
         with request_scoped_chunks(scope, corpus=True):  # retrieved: the corpus's shared KV
             if found:  # answered from the retrieved chunks' cached KV (ingested: hits), never bound by id here
                 sources = [source_of(c) for c in found]

@@ -45,8 +45,8 @@ def load_rows(specs: Sequence[str], default_rows: str = "0:1200", allow_eval_row
                     "which is never trained on (use rows 0:1200)"
                 )
         with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-        picked = [json.loads(line) for line in lines[start:end]]
+            lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
+        picked = [_row(path, n, line) for n, line in lines[start:end]]
         sources = sorted({str(r.get("source", "")) for r in picked if r.get("source")})
         provenance.append(
             {
@@ -60,6 +60,21 @@ def load_rows(specs: Sequence[str], default_rows: str = "0:1200", allow_eval_row
         )
         rows.extend(picked)
     return rows, provenance
+
+
+def _row(path: Path, line_no: int, line: str) -> dict:
+    """One training row, or a clear error naming its file and line (nothing is trained on a bad file)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}, line {line_no}: not a JSON object ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}, line {line_no}: a row must be a JSON object, got {type(row).__name__}")
+    ctxs = row.get("ctxs")
+    if not isinstance(row.get("question", ""), str) or not isinstance(ctxs, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("text"), str) for c in ctxs):
+        raise ValueError(f"{path}, line {line_no}: a row needs 'question' (text) and 'ctxs' (a list of {{title, text}})")
+    return row
 
 
 @dataclass
