@@ -101,9 +101,11 @@ class KVRagCore:
         """The method a request that names none gets (`default_setting`'s)."""
         return self.default_setting.method
 
-    def _options(self, options: AnswerOptions | None, kwargs: dict[str, Any]) -> AnswerOptions:
+    def _options(self, options: AnswerOptions | None, kwargs: dict[str, Any], fill: bool = True) -> AnswerOptions:
+        """The request's options; `fill`: with the default setting where they name no method. `prefill` fills
+        it only once the request's input is checked, so bad input fails at once, never after a calibration."""
         opts = AnswerOptions.from_kwargs(options, **kwargs)
-        return opts if opts.method is not None else opts.with_default_method(self.default_setting)
+        return opts if opts.method is not None or not fill else opts.with_default_method(self.default_setting)
 
     @property
     def batch_size(self) -> int:
@@ -196,9 +198,12 @@ class KVRagCore:
         conv = self._conversation(question, messages)
         if isinstance(chunk_ids, (str, bytes)):
             raise TypeError(f"chunk_ids must be a list of ids, not one string ({chunk_ids!r}): pass [{chunk_ids!r}]")
-        opts = self._options(options, kwargs)
-        pre = self._prefill_resolved(conv, self.repo.lookup(chunk_ids, chunks, allow_empty), opts)
-        pre.stats.default = opts.default_note
+        opts = self._options(options, kwargs, fill=False)
+        resolved = self.repo.lookup(chunk_ids, chunks, allow_empty)  # unknown ids, an empty retrieval: raised here
+        if opts.method is None:  # checked: now the default (a first such request calibrates the model)
+            opts = opts.with_default_method(self.default_setting)
+        pre = self._prefill_resolved(conv, resolved, opts)
+        pre.stats.default, pre.stats.default_reason = opts.default_note, opts.default_reason
         return pre
 
     @staticmethod
@@ -234,7 +239,7 @@ class KVRagCore:
         **kwargs: Any,
     ) -> AnswerStream:
         """Like `answer`, but returns an iterator of text pieces (stats complete at the end)."""
-        opts = self._options(options, kwargs)
+        opts = self._options(options, kwargs, fill=False)
         pre = self.prefill(question, chunk_ids, chunks=chunks, options=opts)
         return self.decode(pre, options=opts)
 
@@ -248,7 +253,7 @@ class KVRagCore:
         **kwargs: Any,
     ) -> AnswerStream:
         """Like `chat`, streaming: an iterator of text pieces (stats complete at the end)."""
-        opts = self._options(options, kwargs)
+        opts = self._options(options, kwargs, fill=False)
         conv = Conversation.of(messages)
         if chunk_ids is None and chunks is None:  # plain chat: the messages through the model's chat template
             resolved = self.repo.lookup(None, None, allow_empty=True)
@@ -304,7 +309,7 @@ class KVRagCore:
         engines): known chunks pasted into them are read from their cached KV and the message that
         wrapped them is left out (`kvrag.ingest.prompt_match.match_conversation`, `stats.path ==
         "prompt-match"`); with none, plain chat through the model's chat template ("plain")."""
-        opts = self._options(options, kwargs)
+        opts = self._options(options, kwargs, fill=False)
         conv = Conversation.of(messages)
         found, rest = match_conversation(conv, list(self.repo.chunks.values()))
         if not found:

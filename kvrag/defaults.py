@@ -91,6 +91,10 @@ class DefaultSetting:
     def name(self) -> str:
         return setting_name(self.method, self.ratio, self.ape)
 
+    def label(self) -> str:
+        """The setting and where it came from, short ("fusionrag@0.5 (calibrated)"): what every answer's stats say."""
+        return f"{self.name} ({self.source})"
+
     def note(self) -> str:
         """One line: the setting and why (what `stats.default`, `kvrag methods` and /health say)."""
         return f"{self.name} ({self.source}: {self.why})" if self.why else f"{self.name} ({self.source})"
@@ -133,6 +137,11 @@ DEFAULT_RECORDS_WHOLE = True
 # answer on at least this share of the calibration questions, and its median TTFT beats Full's by this factor.
 CALIBRATION_BUDGET = 0.9
 CALIBRATION_MIN_SPEEDUP = 1.2
+# ... and, where Full Attention answers enough calibration questions right to rule on (kvrag.check.calibration_rule),
+# a setting must answer right at least this share of the questions Full answers right, and trail Full's right count
+# by at most one in CALIBRATION_SLACK_PER questions: what a user loses is a right answer, not a reworded one.
+CALIBRATION_KEEP = 0.9
+CALIBRATION_SLACK_PER = 30
 # Short-answer RAG: the answer is complete after its first sentence (the model would ramble on).
 DEFAULT_STOP_AT = "sentence"
 # The precision the default disk store keeps KV at (an explicit `disk://` URL keeps what it says, exact

@@ -87,7 +87,8 @@ class AnswerOptions:
     # APE's temperature and scale on the question's and the answer's attention over reused chunk KV
     # (kvrag.model.ape); None or T = S = 1: ordinary attention. Full Attention and answers read whole ignore it.
     ape: Ape | None = None
-    default_note: str = field(default="", compare=False)  # set where the method came from the engine's default: which and why
+    default_note: str = field(default="", compare=False)  # set where the method came from the engine's default: which, from where
+    default_reason: str = field(default="", compare=False)  # ... and why (said once where asked: stats.default_reason)
 
     def __post_init__(self) -> None:
         for name in ("min_recompute", "short_context"):
@@ -128,7 +129,7 @@ class AnswerOptions:
             fields["decode"] = decode_config(**{**{k: getattr(base.decode, k) for k in DECODE_KEYS}, **dec})
         inherited = {} if "method" in fields else dict(base.method_params)  # another method: not the old one's parameters
         if "method" in fields:
-            fields["default_note"] = ""  # a method named here is the caller's, not the default
+            fields["default_note"] = fields["default_reason"] = ""  # a method named here is the caller's, not the default
         if kwargs or inherited != dict(base.method_params):
             fields["method_params"] = {**inherited, **kwargs}
         return dataclasses.replace(base, **fields)
@@ -211,7 +212,8 @@ class AnswerOptions:
         if not isinstance(ratio, AutoRatio) and ratio == DEFAULT_RATIO:
             ratio = method.ratio
         ape = self.ape if self.ape is not None else method.ape  # the caller's own APE setting wins
-        return dataclasses.replace(self, method=method.method, recompute_ratio=ratio, ape=ape, default_note=method.note())
+        return dataclasses.replace(self, method=method.method, recompute_ratio=ratio, ape=ape, default_note=method.label(),
+                                   default_reason=method.why)
 
     def resolved_method(self) -> Method:
         """The method object; options that name none stand for DEFAULT_METHOD (an engine fills in its own first)."""

@@ -67,7 +67,8 @@ class AnswerStats:
     echoed_header: str = ""  # chunk header line(s) the model recited before its answer, left out of it
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the exact prefix cache (a finished earlier turn): not read again
     turns: int = 1  # messages in the conversation answered (user and assistant; 1: a single question)
-    default: str = ""  # where the request named no method: the default setting it got and why (calibrated per model), else ""
+    default: str = ""  # where the request named no method: the default setting it got and from where ("full (calibrated)"), else ""
+    default_reason: str = ""  # ... and why that setting is the default (the calibration's reason), said here, not in summary()
     ape: str = ""  # APE's setting where the question and answer attended with it ("ape(T=0.9,S=1)"), else ""
 
     @property
@@ -135,7 +136,7 @@ class AnswerStats:
             + (f" drafts_served={self.draft_accepted}" if self.draft_accepted else "")
             + (f" whole_chunks={self.whole_chunks}" if self.whole_chunks else "")
             + (f" prefix_hit={self.prefix_hit_tokens}" if self.prefix_hit_tokens else "")
-            + (f" default={self.default}" if self.default else "")
+            + (f" default={self.default.split(' ')[0]}" if self.default else "")
         )
 
 

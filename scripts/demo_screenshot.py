@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "demo.png"
@@ -58,11 +59,12 @@ class Shot:
     answers: list[str]  # the assistant's answers, in order
     ttfts: list[str]  # the method's time to first token, per answer ("812 ms")
     full_ttfts: list[str]  # Full Attention's over the same conversation
-    speedups: list[str]  # "3.4×"
+    speedups: list[str]  # "3.4×", or "same as Full" where the context was read whole
     same: list[str]  # "yes" / "no": agreement with Full Attention
     methods: list[str]  # "Method: fusionrag (recompute 15%)" or "Method: read whole (short context)"
     prefix: list[str]  # "Prefix cache: reused 612 of 640 prompt tokens from the previous turn. ..."
     marks: int  # highlighted runs of recomputed tokens on the page
+    picker: str = ""  # the method picker's setting as the page opened ("default")
     seconds: float
     command: list[str] = field(default_factory=list)  # how the app was started
     steps: dict[str, float] = field(default_factory=dict)  # seconds each step took: where a slow run spent its time
@@ -210,6 +212,7 @@ def drive(url: str, out: Path, chromium: str, timeout: float, top_k: int | None 
                 prefix=_captions(page, "Prefix cache:"),
                 marks=page.locator("mark").count(),
                 seconds=0.0,
+                picker=_picker(page),
             )
             out.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(out), full_page=True)
@@ -218,6 +221,14 @@ def drive(url: str, out: Path, chromium: str, timeout: float, top_k: int | None 
     step("screenshot")
     shot.seconds, shot.steps = time.monotonic() - t0, steps
     return shot
+
+
+def _picker(page: Any) -> str:
+    """The method picker's shown value (the sidebar's first select box)."""
+    try:
+        return page.locator('[data-testid="stSelectbox"]').first.inner_text().splitlines()[-1].strip()
+    except Exception:  # noqa: BLE001 (a page without it: the check says so)
+        return ""
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -238,7 +249,8 @@ def check(shot: Shot) -> None:
     counts = {name: len(getattr(shot, name)) for name in ("answers", "ttfts", "full_ttfts", "speedups", "same", "methods", "prefix")}
     if set(counts.values()) != {2}:
         raise RuntimeError(f"the page lacks two answers with their reports: {counts}: {shot}")
-    if not all(t.endswith(" ms") for t in shot.ttfts + shot.full_ttfts) or not all(s.endswith("×") for s in shot.speedups):
+    if not all(t.endswith(" ms") for t in shot.ttfts + shot.full_ttfts) or not all(
+            s.endswith("×") or s == "same as Full" for s in shot.speedups):
         raise RuntimeError(f"the page lacks the timings: {shot}")
     if shot.marks == 0 and shot.recomputes:
         raise RuntimeError(f"the page lacks the highlights of the recomputed tokens: {shot}")

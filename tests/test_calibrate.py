@@ -23,6 +23,7 @@ from kvrag.check import calibration_store as store
 from kvrag.check.answers import parted
 from kvrag.check.default import default_for, forget_in_process
 from kvrag.defaults import DEFAULT_RATIO, DEFAULT_SHORT_CONTEXT, FIXED_DEFAULT, Ape, DefaultSetting
+from kvrag.errors import KVRagError
 from kvrag.eval import synthetic
 from kvrag.options import AnswerOptions
 from tiny import tiny_model, tiny_tokenizer
@@ -127,7 +128,9 @@ def test_a_model_that_fails_calibration_gets_full_attention_with_the_prefix_cach
     again = rag.answer("Which word comes first?", chunks=chunks, max_new_tokens=4)
     assert first.stats.method == again.stats.method == "full"
     assert again.stats.prefix_hit_tokens > 0  # Full Attention with the exact prefix cache
-    assert first.stats.default.startswith("full (calibrated: no reuse setting") and "default=full" in first.stats.summary()
+    assert first.stats.default == "full (calibrated)" and first.stats.default_reason.startswith("no reuse setting")
+    summary = first.stats.summary()
+    assert "default=full" in summary and "no reuse setting" not in summary  # the long reason: where asked, not every answer
     result = store.read_result(lm.fingerprint, "cpu")
     search = result["ape_search"]  # APE's temperature and scale, searched first; its settings measured too where active
     ape = Ape(search["temperature"], search["scale"])
@@ -225,7 +228,7 @@ def test_a_damaged_calibration_is_run_again_never_trusted(runs, monkeypatch, dam
 def test_the_calibrated_ratio_applies_only_where_no_other_is_named():
     chosen = DefaultSetting("a3", 0.3, "calibrated", "why")
     opts = AnswerOptions().with_default_method(chosen)
-    assert (opts.method, opts.recompute_ratio, opts.default_note) == ("a3", 0.3, "a3@0.3 (calibrated: why)")
+    assert (opts.method, opts.recompute_ratio, opts.default_note, opts.default_reason) == ("a3", 0.3, "a3@0.3 (calibrated)", "why")
     assert AnswerOptions(recompute_ratio=0.5).with_default_method(chosen).recompute_ratio == 0.5
     named = AnswerOptions(method="epic").with_default_method(chosen)
     assert (named.method, named.recompute_ratio, named.default_note) == ("epic", DEFAULT_RATIO, "")
@@ -263,7 +266,10 @@ def test_kvrag_methods_names_the_kept_choice(runs, monkeypatch, capsys):
     assert "tiny-llama-for-methods: not calibrated yet" in capsys.readouterr().out
     calibrate_model(lm)
     assert main(["methods", "--model", "tiny-llama-for-methods"]) == 0
-    assert "tiny-llama-for-methods on cpu: fusionrag@0.5 (calibrated: made up)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tiny-llama-for-methods on cpu: fusionrag@0.5 (calibrated: made up)" in out
+    marked = [line for line in out.splitlines() if "<- the default now" in line]  # the calibrated choice is marked
+    assert len(marked) == 1 and marked[0].startswith("fusionrag ") and "fusionrag@0.5 on cpu" in marked[0]
 
 
 def test_check_model_calibrate_prints_every_setting_and_keeps_the_choice(runs, monkeypatch, tmp_path, capsys):
@@ -303,4 +309,14 @@ def test_the_judge_pairs_the_default_with_full_and_says_whether_it_keeps_up(tmp_
     block = result["blocks"][0]
     assert block["n"] == 2 and block["keeps_up"] == (block["default_contains"] >= block["full_contains"] - 1 / 30 - 1e-9)
     md = calibration_markdown(result, {"command": "kvrag eval calibration", "model": "tiny"})
-    assert "| qa | 4 | 2 |" in md and f"Default chosen: {FIXED_DEFAULT.note()}" in md
+    assert "| qa | 4 | 2 |" in md and f"Default chosen: {FIXED_DEFAULT.label()}: {FIXED_DEFAULT.why}" in md
+
+
+@pytest.mark.parametrize("bad", [dict(chunk_ids=[]), dict(chunk_ids=["no-such-id"]), dict(chunk_ids=["a"], recompute_ratio=7)])
+def test_bad_input_fails_at_once_never_after_a_calibration(runs, monkeypatch, bad):
+    """A first request that names no method calibrates the model, but only once its input is checked."""
+    monkeypatch.setattr(calibrate, "run_calibration", lambda *a, **k: pytest.fail("calibrated before checking the input"))
+    rag = KVRag(tiny_lm(reads_context=True), store="memory://", check=False)
+    with pytest.raises((KVRagError, ValueError)):
+        rag.answer("Which word comes first?", **bad)
+    assert runs == []

@@ -38,8 +38,10 @@ def test_methods_names_the_default(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith(DEFAULT_METHOD + " "))
-    assert "(the fixed default, where calibration is off)" in line
-    assert "the default: calibrated per model" in out and f"calibration is off ($KVRAG_CALIBRATE=0): {DEFAULT_METHOD}@0.15" in out
+    assert f"<- the default now ({DEFAULT_METHOD}@0.15 on any device)" in line  # what a request naming none gets now
+    assert sum("<- the default now" in l for l in out.splitlines()) == 1
+    assert "the default: calibrated per model" in out
+    assert f"calibration is off ($KVRAG_CALIBRATE=0): every model gets {DEFAULT_METHOD}@0.15" in out
 
 
 def test_every_option_of_every_command_says_what_it_does():

@@ -113,7 +113,8 @@ def test_redact_and_labels():
     assert demo_app.redact_url("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
     assert demo_app.redact_url("disk:///tmp/kv") == "disk:///tmp/kv"
     assert demo_app.plain_label("**bold** [x](javascript:y) <img>") == "bold x (javascript:y) img"
-    assert "full" not in demo_app.method_names() and "reuse" in demo_app.method_names()
+    names = demo_app.method_names()
+    assert names[0] == "default" and "full" not in names and "reuse" in names  # the picker starts at the default
 
 
 def test_store_url_must_keep_disk_stores_inside_the_demo_folder(tmp_path):

@@ -44,6 +44,7 @@ def test_the_training_free_default_keeps_up_on_most_sets_and_is_fast_enough():
 def test_settings_pivot_and_collect(tmp_path):
     names = [s.name for s in suite_settings(with_tuned=True)]
     assert names[:2] == ["full", "reuse"] and TUNED in names and f"{DEFAULT_METHOD}@0.15[min_recompute=0,records_whole=False,short_context=0]" in names
+    assert "reuse[ape=0.9,1]" in names and "fusionrag@0.15[ape=0.9,1]" in names  # APE judged on rows no choice saw
     assert len(SETS) >= 5 and {"nq10", "musique", "kv75", "facts", "sample"} <= set(SETS)
     table = pivot_markdown(results(("nq10", rows(), {})))
     assert "**0.500**" in table and "| nq10 | 16 | 30 |" in table

@@ -81,7 +81,7 @@ def search_ape(core: KVRagCore, prompts: Sequence[Any], policy: dict[str, Any], 
                questions: int = SEARCH_QUESTIONS, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The (T, S) of the grid whose answers are closest to Full Attention's on the first `questions`
     prompts, for `method` at `ratio`; every grid point's mean KL is kept in the result."""
-    chosen = list(prompts)[:questions]
+    chosen = sorted(list(prompts)[:questions], key=lambda p: p.group)  # context by context: the prefix cache serves each
     traces = [trace_full(core, p.question, p.chunks) for p in chosen]
     rows = []
     for t in temperatures:

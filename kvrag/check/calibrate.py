@@ -129,7 +129,10 @@ class _Full:
         return self.answers[i]
 
     def right(self) -> int:
-        return sum(self.get(i)[2] for i in range(len(self.prompts)))
+        """How many Full answers right; answered context by context, so each context is read whole once and its
+        other questions continue from the prefix cache (the set interleaves contexts, which a small cache evicts)."""
+        order = sorted(range(len(self.prompts)), key=lambda i: (self.prompts[i].group, i))
+        return sum(self.get(i)[2] for i in order)
 
 
 def verdicts(stream: AnswerStream, reference: str, answers: Sequence[str]) -> tuple[bool, bool]:
@@ -250,8 +253,8 @@ def run_calibration(
     t_warm = time.perf_counter()
     rule = Rule(len(prompts), full.right(), budget)  # Full answers every question first: the rule's thresholds
     if progress:
-        progress(f"calibration: Full Attention answered {rule.full_right} of {len(prompts)} right; a setting passes with "
-                 f"{rule.describe()}")
+        progress(f"calibration: Full Attention answered {rule.full_right} of {len(prompts)} right; a setting passes "
+                 f"with {rule.describe()}")
     searched = search_ape(core, prompts, POLICY, progress=progress) if ape_search and settings is None else None
     # the search's own choice; where plain reuse scored best it is T = S = 1, and no APE setting is measured
     ape = Ape(searched["temperature"], searched["scale"]) if searched else None
@@ -278,7 +281,8 @@ def run_calibration(
             elif row["ttft_ratio"] < min_speedup:
                 skip[key] = f"{row['setting']} was under {min_speedup:g}x Full's speed; a larger ratio recomputes more"
             if progress:
-                progress(f"{row['setting']}: {row['right']} right, kept {row['kept']} of Full's {rule.full_right}, "
+                progress(f"{row['setting']}: {row['right']} right, kept {row['kept']} of Full's {rule.full_right} "
+                         f"(of the first {row['asked']} questions), "
                          f"{row['same']}/{row['asked']} same as Full, KL {row['kl']:.3f}, {row['ttft_ratio']:.1f}x Full's TTFT "
                          f"({row['status']}; setting {n + 1} of {len(todo)}{_eta(n + 1, len(todo), time.perf_counter() - t_ape)})")
     chosen = choose(rows, rule, min_speedup)

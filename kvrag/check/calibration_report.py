@@ -32,7 +32,8 @@ def calibration_table(result: dict[str, Any]) -> str:
             continue
         verdict = r["status"] if r["status"] == "passed" or r["asked"] == result.get("questions") else f"{r['status']} (dropped early)"
         same = f"{r['same']}/{r['asked']}" if r["asked"] else "-"
-        right, kept = str(r.get("right", "-")), str(r.get("kept", "-"))
+        decoded = bool(r["asked"])  # a setting dropped on its speed alone was never decoded: nothing to count
+        right, kept = (str(r.get("right", "-")), str(r.get("kept", "-"))) if decoded else ("-", "-")
         lines.append(f"{r['setting']:<26} {right:>6} {kept:>6} {same:>12} {r['kl']:>15.3f} "
                      f"{r['ttft_ratio']:>17.2f}x  {verdict}")
     chosen = setting_of(result)

@@ -18,10 +18,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvrag.defaults import CALIBRATION_BUDGET, DEFAULT_RATIO, Ape, DefaultSetting
+from kvrag.defaults import CALIBRATION_BUDGET, CALIBRATION_KEEP, CALIBRATION_SLACK_PER, DEFAULT_RATIO, Ape, DefaultSetting
 
-CALIBRATION_KEEP = 0.9  # share of Full's right answers a setting must answer right too
-CALIBRATION_SLACK_PER = 30  # a setting's right count may trail Full's by one in this many questions
 MIN_FULL_RIGHT = 10  # Full's right answers below which "right" cannot decide: agreement with Full's text does
 
 
@@ -65,8 +63,8 @@ class Rule:
 
     def describe(self) -> str:
         if self.by_right:
-            return (f"of the {self.full_right} calibration questions Full Attention answers right, at least "
-                    f"{self.full_right - self.may_lose} right, and at least {self.right_needed} right of {self.questions} in all")
+            return (f"at least {self.full_right - self.may_lose} of the {self.full_right} calibration questions Full "
+                    f"Attention answers right answered right too, and at least {self.right_needed} of all {self.questions}")
         return (f"Full Attention's answer on >= {self.budget:.0%} of the {self.questions} calibration questions "
                 f"(Full answered only {self.full_right} right: too few to rule on right answers)")
 

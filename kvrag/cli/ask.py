@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help=f"full, reuse, ... (see `kvrag methods`; default: the setting this model's calibration chose, "
                           f"{DEFAULT_METHOD} where calibration is off, or {TUNED_METHOD} with --link-adapter tuned)")
     ask.add_argument("--recompute-ratio", type=ratio_or_auto, default=DEFAULT_RATIO, help=f"share of chunk tokens recomputed, or 'auto' (default {DEFAULT_RATIO})")
+    ask.add_argument("--ape", type=_ape_arg, default=None, metavar="T,S",
+                     help="APE's temperature and scale on the question's and answer's attention over reused chunk KV "
+                          "(e.g. 0.9,1; default: none, or as the calibrated default has it; docs: Methods)")
     ask.add_argument("--min-recompute", type=int, default=None, metavar="TOKENS",
                      help=f"chunk tokens recomputed at least; chunks holding no more are read with Full Attention (0: off; default {DEFAULT_MIN_RECOMPUTE})")
     ask.add_argument("--short-context", type=int, default=None, metavar="TOKENS",
@@ -78,6 +81,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     sub.choices["methods"].set_defaults(func=cmd_methods)
 
 
+def _ape_arg(text: str):
+    """`--ape T,S` as an Ape (argparse reports the ValueError's message)."""
+    from kvrag.defaults import Ape
+
+    try:
+        return Ape.of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     if args.method is not None:
         check_method(args.method, method_params(args))  # a mistyped method or parameter: an error before anything loads
@@ -100,6 +113,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens,
         **read_whole_flags(args),
         evict=SnapKV(budget=args.evict_budget) if args.evict_budget is not None else None,
+        **({"ape": args.ape} if getattr(args, "ape", None) is not None else {}),
         **dict(params),
     )
     if args.compare:
@@ -124,10 +138,8 @@ def _ask_compared(args: argparse.Namespace, rag, chunks, options: dict) -> int:
     """`ask --compare`: the answer, then Full Attention's beside it with the speed-up and the agreement."""
     if args.temperature > 0:
         raise KVRagError("--compare needs greedy answers (--temperature 0): sampled answers differ run to run")
-    method = args.method or rag.default_method
-    if args.method is None and options.get("recompute_ratio") == DEFAULT_RATIO:  # the default's ratio, as calibrated
-        options = {**options, "recompute_ratio": rag.default_setting.ratio}
-    runs = [(method, {}, "")] if method == "full" else [(method, {}, ""), ("full", {}, "")]
+    method = args.method  # None: the default setting, with its calibrated ratio and APE
+    runs = [(method, {}, "")] if (method or rag.default_method) == "full" else [(method, {}, ""), ("full", {}, "")]
     rows = compare_runs(rag, args.question, chunks, runs, **options)
     mine, full = rows[0], rows[-1]
     from kvrag.cli.compare_text import compare_json, compare_line
@@ -198,6 +210,8 @@ def _ask_via_server(args: argparse.Namespace, params: dict) -> int:
         raise KVRagError("--compare is not available through --server (it answers twice on this machine's model)")
     if args.draft_tokens is not None:
         raise KVRagError("--draft-tokens is not available through --server (the server decodes with its default)")
+    if getattr(args, "ape", None) is not None:
+        raise KVRagError("--ape is not available through --server (the server answers with its default's)")
     options = dict(method=args.method, recompute_ratio=args.recompute_ratio, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, stop_at=args.stop_at, params=params, policy=read_whole_flags(args))
     if common.index_size(args):
@@ -228,15 +242,18 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     chunks = load_documents([sample_corpus_dir()])
     index.add(chunks)
     rag.precompute(chunks, progress=True)
+    setting, took = quickstart_default(rag)
     question = args.question or sample_questions()[0]["question"]
     retrieved = common.retrieve(index, question, DEFAULT_K)
-    known = rag.peek_default() if hasattr(rag, "peek_default") else rag.default_setting  # never calibrates here
-    fast = known.method if known is not None and known.method != "full" else DEFAULT_METHOD  # a reuse method to show
+    fast = setting.method if setting.method != "full" else DEFAULT_METHOD  # a reuse method to show beside Full
     print(f"\nQ: {question}  ({len(retrieved)} chunks retrieved: a short context)")
-    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", fast), raw=fast):
+    for line in compare_with_full(rag, question, retrieved, ("full", "reuse", None), raw=fast):
         print(line)
     wide = common.retrieve(index, question, LONG_K)
-    rows = compare_runs(rag, question, wide, [("full", {}, ""), (fast, {}, "")])
+    runs: list[tuple[str | None, dict, str]] = [("full", {}, ""), (None, {}, "")]
+    if setting.method == "full":  # the default reads whole here: show what reuse would cost beside it
+        runs.append((fast, {}, ", not the default"))
+    rows = compare_runs(rag, question, wide, runs)
     print(f"\nThe same question over {len(wide)} chunks ({rows[-1].context_tokens} chunk tokens: approximate reuse applies)")
     for row in rows:
         print(row.line())
@@ -247,11 +264,29 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     print(f"\n(store: {rag.store.url}; 'agrees' = same answer as Full Attention after normalising; "
           "KL = first-token KL divergence from Full Attention, 0 is identical; 'read whole': a context this short (or "
           "chunks that are records of one kind) is answered with Full Attention by every method (--short-context, "
-          "--min-recompute, --records-whole); 'policy off': the method alone; the follow-up reads only its new "
-          "tokens after the kept first turn, under Full Attention: exact reuse, the same answer token for token)")
-    print("default for questions that name no method: " + (known.note() if known is not None else
-          "not calibrated for this model yet (on its first such question, or `kvrag check-model --calibrate`; `kvrag methods`)"))
+          "--min-recompute, --records-whole), the same work as Full, so no ratio is shown; 'policy off': the method "
+          "alone; each speed-up says which KV it came from: the chunks' stored KV, or the kept first turn (the exact "
+          "prefix cache), where the follow-up reads only its new tokens under Full Attention: the same answer token "
+          "for token)")
+    print(f"default for questions that name no method: {setting.label()}{took}: {setting.why}")
     return 0
+
+
+def quickstart_default(rag) -> tuple[Any, str]:
+    """The engine's default setting, calibrated now (with its progress on stderr) where no calibration is kept,
+    so the quickstart ends calibrated and says what was chosen; and how long calibrating took ("" if kept)."""
+    import time
+
+    known = rag.peek_default() if hasattr(rag, "peek_default") else rag.default_setting
+    if known is not None:
+        return known, ""
+    from kvrag.check.default import calibrate_model
+
+    print("calibrating the default setting for this model (once per model and device; kept for every later run) ...",
+          file=sys.stderr)
+    t0 = time.perf_counter()
+    setting, _ = calibrate_model(rag.lm, progress=lambda line: print("  " + line, file=sys.stderr))
+    return setting, f" (calibrated just now in {(time.perf_counter() - t0) / 60:.1f} min)"
 
 
 def follow_up_line(rag, question: str, follow_up: str, chunks) -> str:
@@ -298,14 +333,23 @@ class Comparison:
             return "reference"
         q = f"{'agrees' if self.agrees else 'DIFFERS'}, KL {self.kl:.3f}"
         if self.read_whole:
-            q += f"; read whole ({self.context_tokens} chunk tokens)"
+            q += f" ({self.context_tokens} chunk tokens)"
         elif self.whole_chunks:
             q += f"; {self.whole_chunks} chunk(s) recomputed whole (whole_chunks)"
         return q
 
     def line(self) -> str:
-        return (f"[{self.label:>28}] {self.text}\n{'':31}TTFT {self.ttft_s * 1000:.0f} ms, {self.speedup:.1f}x vs Full; "
-                f"{self.quality()}")
+        """The answer, then its speed beside Full's (never a ratio where both did the same work, never "sooner"
+        for a slower answer) and how close it is to Full's answer."""
+        from kvrag.cli.compare_text import first_token_phrase
+
+        if self.agrees is None:
+            speed = f"TTFT {self.ttft_s * 1000:.0f} ms"
+        elif self.read_whole:
+            speed = "read whole: the same as Full"
+        else:
+            speed = first_token_phrase(self.ttft_s, self.full_ttft_s) + ", from the chunks' stored KV"
+        return f"[{self.label:>28}] {self.text}\n{'':31}{speed}; {self.quality()}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"method": self.label, "answer": self.text, "ttft_s": self.ttft_s, "full_ttft_s": self.full_ttft_s,
@@ -329,8 +373,12 @@ def compare_runs(rag, question: str, chunks, runs: Sequence[tuple[str | None, di
         name = method or rag.default_method
         pre = full if name == "full" else rag.prefill(question, chunks=chunks, method=method, **{**options, **extra})
         text = full_text if name == "full" else rag.decode(pre, **{**options, **extra}).answer().text
+        if method is None:  # the default setting (its ratio and APE as calibrated), named as such
+            label = f"default: {rag.default_setting.name}"
+        else:
+            label = name if name in RATIO_FREE else f"{name}@{options.get('recompute_ratio', DEFAULT_RATIO):g}"
         out.append(Comparison(
-            label=(name if name in RATIO_FREE else f"{name}@{options.get('recompute_ratio', DEFAULT_RATIO):g}") + tag,
+            label=label + tag,
             text=text, ttft_s=pre.stats.ttft_s, full_ttft_s=full.stats.ttft_s,
             agrees=None if name == "full" else agreement(text, full_text),
             kl=0.0 if name == "full" else first_token_kl(full.logits, pre.logits),
@@ -350,27 +398,49 @@ def compare_with_full(rag, question: str, chunks, methods, raw: str | None = Non
 def cmd_methods(args: argparse.Namespace) -> int:
     from kvrag.methods import METHODS
 
+    marks = current_defaults(getattr(args, "model", None))
     for name, cls in sorted(METHODS.items()):
-        mark = " (the fixed default, where calibration is off)" if name == DEFAULT_METHOD else ""
+        mine = [f"{s.name} on {device}" for device, s in marks.items() if s.method == name]
+        mark = f"   <- the default now ({', '.join(mine)})" if mine else ""
         print(f"{name:12s} {(cls.__doc__ or '').strip().splitlines()[0]}{mark}")
     print(default_lines(getattr(args, "model", None)))
     return 0
 
 
-def default_lines(model: str | None) -> str:
-    """What a request naming no method gets on `model` (default: the bundled model), as its calibration kept it."""
-    from kvrag.check.calibration_store import results_for_source, setting_of
-    from kvrag.check.default import calibration_enabled
-    from kvrag.defaults import CALIBRATION_BUDGET, CALIBRATION_MIN_SPEEDUP, FIXED_DEFAULT
+def _source(model: str | None) -> str:
     from kvrag.model.loading import BUNDLED_NAME
 
-    rule = (f"the default: calibrated per model, the fastest setting with Full Attention's answer on >= {CALIBRATION_BUDGET:.0%} "
-            f"of the calibration questions and {CALIBRATION_MIN_SPEEDUP:g}x its speed, else full (docs: Methods)")
+    if model in (None, "", "bundled"):
+        return BUNDLED_NAME
+    return str(Path(model).expanduser()) if str(model).endswith(".gguf") else str(model)
+
+
+def current_defaults(model: str | None) -> dict[str, Any]:
+    """The setting a request naming no method gets now on `model`, per device type (kvrag.check.default's
+    answer, read without loading anything): the fixed one where calibration is off, else the kept calibration
+    ({} where there is none yet: such a request calibrates first)."""
+    from kvrag.check.calibration_store import results_for_source, setting_of
+    from kvrag.check.default import calibration_enabled
+    from kvrag.defaults import FIXED_DEFAULT
+
     if not calibration_enabled():
-        return f"{rule}\n  calibration is off ($KVRAG_CALIBRATE=0): {FIXED_DEFAULT.name}"
-    source = BUNDLED_NAME if model in (None, "", "bundled") else str(Path(model).expanduser()) if str(model).endswith(".gguf") else str(model)
-    found = results_for_source(source)
+        return {"any device": FIXED_DEFAULT}
+    return {device: setting_of(r) for device, r in sorted(results_for_source(_source(model)).items())}
+
+
+def default_lines(model: str | None) -> str:
+    """What a request naming no method gets on `model` (default: the bundled model), and why, as its calibration kept it."""
+    from kvrag.check.default import calibration_enabled
+    from kvrag.defaults import CALIBRATION_KEEP, CALIBRATION_MIN_SPEEDUP, CALIBRATION_SLACK_PER, FIXED_DEFAULT
+
+    rule = (f"the default: calibrated per model, the fastest setting that answers right >= {CALIBRATION_KEEP:.0%} of the "
+            f"calibration questions Full Attention answers right, trails Full's right count by at most one in "
+            f"{CALIBRATION_SLACK_PER}, and is >= {CALIBRATION_MIN_SPEEDUP:g}x its speed; else full (docs: Methods)")
+    if not calibration_enabled():
+        return f"{rule}\n  calibration is off ($KVRAG_CALIBRATE=0): every model gets {FIXED_DEFAULT.name}"
+    source = _source(model)
+    found = current_defaults(model)
     if not found:
-        return (f"{rule}\n  {source}: not calibrated yet (on its first request that names no method, or "
-                "`kvrag check-model --calibrate`)")
-    return rule + "".join(f"\n  {source} on {device}: {setting_of(r).note()}" for device, r in sorted(found.items()))
+        return (f"{rule}\n  {source}: not calibrated yet: its first request that names no method calibrates it first "
+                "(minutes on a CPU, with a progress bar; `kvrag quickstart` or `kvrag check-model --calibrate` do it now)")
+    return rule + "".join(f"\n  {source} on {device}: {s.note()}" for device, s in found.items())

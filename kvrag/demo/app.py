@@ -54,6 +54,7 @@ from kvrag.demo.render import (  # noqa: F401
     plain_label,
     prefix_line,
     short_name,
+    speed_source,
     show_answer,
     stream_answer,
     token_pieces,
@@ -81,17 +82,32 @@ DEFAULT_MAX_NEW_TOKENS = 48
 
 
 # -- methods --------------------------------------------------------------------------------------
+DEFAULT_CHOICE = "default"  # the picker's first entry: what a request that names no method gets (calibrated per model)
+
+
 def method_names() -> list[str]:
-    """The selectable methods: every registered one except the Full Attention baseline shown beside it."""
+    """The selectable settings: the default first, then every registered method except the Full Attention
+    baseline shown beside every answer."""
     from kvrag.methods import METHODS
 
-    return sorted(name for name in METHODS if name != BASELINE)
+    return [DEFAULT_CHOICE] + sorted(name for name in METHODS if name != BASELINE)
+
+
+def session_salt() -> str:
+    """This browser session's own scope of the exact prefix cache: a first question never continues another
+    session's turn, so no speed-up is credited to a cache this session did not fill."""
+    import secrets
+
+    return st.session_state.setdefault("kvrag_cache_salt", secrets.token_hex(16))
 
 
 def method_summary(name: str) -> str:
     """First line of the method's docstring, for a caption under the selectbox."""
     from kvrag.methods import METHODS
 
+    if name == DEFAULT_CHOICE:
+        known = load_engine().peek_default()
+        return f"the default here: {known.note()}" if known is not None else "the default: not calibrated yet"
     cls = METHODS.get(name)
     return (cls.__doc__ or "").strip().splitlines()[0] if cls and cls.__doc__ else ""
 
@@ -198,11 +214,16 @@ def show_reply(reply: Reply, open_chunks: bool = False) -> None:
     full.metric("Full Attention TTFT", f"{reply.full_stats['ttft_s'] * 1000:.0f} ms",
                 help="the same conversation and chunks, re-read whole (prefix cache off)")
     # a fast wrong answer is worth nothing: the speed-up is never shown apart from the quality
-    speed.metric("Speed-up in TTFT", f"{reply.speedup:.1f}×", help=f"Full Attention's TTFT ÷ this answer's ({name})")
+    if stats.get("full_reason") and not stats.get("prefix_hit_tokens"):  # the same work as Full: no ratio to show
+        speed.metric("Speed-up in TTFT", "same as Full", help="read whole: the context was computed as Full Attention computes it")
+    else:
+        speed.metric("Speed-up in TTFT", f"{reply.speedup:.1f}×", help=f"Full Attention's TTFT ÷ this answer's ({name}); "
+                     f"from {speed_source(stats)}")
     close.metric("Same answer as Full", "yes" if reply.same else "no", help="the two answers' texts, normalised, are equal")
     kl.metric("First-token KL", f"{max(reply.kl, 0.0):.3f}",
               help="KL divergence of this answer's first-token distribution from Full Attention's: 0 means identical")
-    st.caption(f"Prefix cache: {prefix_line(stats)}. {counts_line(stats)}")
+    st.caption(f"Prefix cache: {prefix_line(stats)} (this browser session's own). Speed from {speed_source(stats)}. "
+               f"{counts_line(stats)}")
     with st.expander("Full Attention's answer (the reference: whole conversation re-read, prefix cache off)"):
         show_answer(reply.full_text)
     st.caption(chunks_caption(reply.method, stats, reply.chunks))
@@ -222,7 +243,8 @@ def answer_turn(rag: Any, index: Any, turns: list[dict[str, Any]], settings: "Se
         return None
     chunks = keep_order(chunks, previous_chunk_ids(turns))
     with st.chat_message("assistant"):
-        pre = rag.prefill(messages=messages, chunks=chunks, method=settings.method, recompute_ratio=settings.ratio, prefix_cache=True)
+        pre = rag.prefill(messages=messages, chunks=chunks, method=settings.method, recompute_ratio=settings.ratio,
+                          prefix_cache=True, cache_salt=session_salt())
         stream = rag.decode(pre, max_new_tokens=settings.max_new)
         text = stream_answer(stream)  # plain text: the model's Markdown, links and images are not rendered
         with st.spinner("Full Attention re-reads the whole conversation, for comparison ..."):
@@ -230,8 +252,10 @@ def answer_turn(rag: Any, index: Any, turns: list[dict[str, Any]], settings: "Se
             full = rag.decode(full_pre, max_new_tokens=settings.max_new)
             full_text = "".join(full)
         stats: AnswerStats = stream.stats
+        chosen = rag.default_setting if settings.method is None else None  # the default: named as what it was
         reply = Reply(
-            text=text, method=settings.method, ratio=settings.ratio, stats=stats.as_dict(),
+            text=text, method=chosen.name if chosen else settings.method, ratio=chosen.ratio if chosen else settings.ratio,
+            stats=stats.as_dict(),
             full_text=full_text, full_stats=full.stats.as_dict(), kl=first_token_kl(full_pre.logits, pre.logits),
             chunks=chunk_views(rag, pre, whole=bool(stats.full_reason)), chunk_ids=[c.id for c in pre.chunks],
         )
@@ -272,7 +296,7 @@ def ask(rag: Any, index: Any, question: str, settings: "Settings") -> None:
 # -- page -----------------------------------------------------------------------------------------
 @dataclass
 class Settings:
-    method: str
+    method: str | None  # None: the default setting (calibrated per model)
     ratio: float
     top_k: int
     max_new: int
@@ -283,17 +307,19 @@ def sidebar_settings(folder: Path) -> Settings:
     names = method_names()
     sb = st.sidebar
     sb.header("Settings")
-    default = load_engine().default_method  # DEFAULT_METHOD (kvlink only with a tuned adapter asked for)
-    method = sb.selectbox("Method", names, index=names.index(default) if default in names else 0, key="method")
+    method = sb.selectbox("Method", names, index=0, key="method")  # starts at the default, whatever it is here
     sb.caption(method_summary(method))
-    ratio = sb.slider("Recompute ratio", 0.0, 1.0, DEFAULT_RATIO, 0.01, key="ratio", disabled=method in RATIO_FREE,
-                      help="share of the retrieved chunks' tokens the method recomputes")
+    ratio = sb.slider("Recompute ratio", 0.0, 1.0, DEFAULT_RATIO, 0.01, key="ratio",
+                      disabled=method in RATIO_FREE or method == DEFAULT_CHOICE,
+                      help="share of the retrieved chunks' tokens the method recomputes (the default: as calibrated)")
     top_k = sb.slider("Chunks to retrieve (top-k)", 1, 10, DEFAULT_K, key="top_k")
     max_new = sb.slider("Max new tokens", 8, 256, DEFAULT_MAX_NEW_TOKENS, 8, key="max_new")
     store_url = sb.text_input(
         "KV store URL", value=default_store_url(folder), key="store_url",
         help="disk:///path, memory://, redis://host:6379/0 or tiered://?lower=...",
     ).strip()
+    if method == DEFAULT_CHOICE:
+        return Settings(None, DEFAULT_RATIO, top_k, max_new, store_url or default_store_url(folder))
     return Settings(method, ratio, top_k, max_new, store_url or default_store_url(folder))
 
 
@@ -339,6 +365,18 @@ def warn_if_exposed() -> None:
         )
 
 
+def calibrate_visibly(rag: Any) -> None:
+    """Where this model has no kept calibration, run it now with its progress on the page (once per model and
+    device: every later page and process reads the kept result), so the picker's "default" says what it is."""
+    if rag.peek_default() is not None:
+        return
+    from kvrag.check.default import calibrate_model
+
+    with st.status("Calibrating the default setting for this model (once; minutes on a CPU) ...", expanded=True) as box:
+        setting, _ = calibrate_model(rag.lm, progress=lambda line: box.write(line))
+        box.update(label=f"The default here: {setting.label()}", state="complete", expanded=False)
+
+
 def main() -> None:
     st.set_page_config(page_title="kvrag demo", layout="wide")
     st.title("kvrag: RAG answers from reused KV caches")
@@ -352,6 +390,7 @@ def main() -> None:
     settings = sidebar_settings(folder)
     rag = open_or_stop(settings)
     index = open_index(str(kvrag_home()))
+    calibrate_visibly(rag)
     ensure_ingested(rag, index, folder, warm_methods=(BASELINE, "reuse", rag.default_method))
 
     st.sidebar.header("Add documents")

@@ -167,6 +167,17 @@ def prefix_line(stats: Mapping[str, Any]) -> str:
     return f"reused {hit} of {total} prompt tokens from {source}"
 
 
+def speed_source(stats: Mapping[str, Any]) -> str:
+    """Which cache a speed-up came from: this session's earlier turn (the exact prefix cache, salted per
+    session), the chunks' stored KV, or neither (read whole)."""
+    parts = []
+    if int(stats.get("prefix_hit_tokens", 0)) > 0:
+        parts.append("this session's earlier turn (the exact prefix cache)")
+    if not stats.get("full_reason") and str(stats.get("method", "")) != BASELINE and int(stats.get("context_tokens", 0)) > 0:
+        parts.append("the chunks' stored KV")
+    return " and ".join(parts) or "no cache: read whole, as Full Attention reads it"
+
+
 def counts_line(stats: Mapping[str, Any]) -> str:
     """This answer's own counts (its chunk-store lookups too: the sidebar's are cumulative)."""
     return (

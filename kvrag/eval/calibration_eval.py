@@ -86,7 +86,8 @@ def _block(name: str, length: int, records: list[dict[str, Any]]) -> dict[str, A
     rows = {r["setting"]: r for r in summarize(records)}
     full, default = rows["full"], rows["default"]
     answered = Counter(r.get("answered_with", "?") for r in records if r["setting"] == "default")
-    notes = Counter(r.get("default", "") for r in records if r["setting"] == "default")
+    notes = Counter(r.get("default", "") + (f": {r['default_reason']}" if r.get("default_reason") else "")
+                    for r in records if r["setting"] == "default")
     return {
         "set": name, "kind": SETS[name].kind, "length": length, "n": full["n"],
         "full_contains": full["contains"], "default_contains": default["contains"],

@@ -155,6 +155,7 @@ def _record(
         "ratio": 1.0 if st.method == "full" else (st.ratio if st.ratio != "auto" and st.method != "default" else s.recompute_ratio),
         "answered_with": s.method,  # what answered ("default": the engine's choice)
         "default": s.default,
+        "default_reason": s.default_reason,
         "kv_kind": st.kv_kind,
         "answer": text,
         "f1": best_f1(text, ex.answers),

@@ -67,11 +67,18 @@ SETS: dict[str, SuiteSet] = {
 RAW = (("min_recompute", 0), ("records_whole", False), ("short_context", 0))  # the read-whole policies off: what the method does alone
 
 
+# APE's temperature and scale as the bundled model's calibration chose them (kvrag.check.ape_search): the suite
+# judges reuse and fusionrag with them on rows no choice was made on
+SUITE_APE = "0.9,1"
+
+
 def suite_settings(with_tuned: bool) -> list[Setting]:
     """Base Full and reuse, every training-free method at the default ratio (the short-context policy on, as
-    shipped), the default method with the policy off (the raw figure), and the tuned adapter's kvlink."""
+    shipped), reuse and fusionrag with APE, the default method with the policy off (the raw figure), and the
+    tuned adapter's kvlink."""
     out = [Setting("full"), Setting("reuse")]
     out += [Setting(m, DEFAULT_RATIO) for m in TRAINING_FREE]
+    out += [Setting("reuse", 0.0, params=(("ape", SUITE_APE),)), Setting("fusionrag", DEFAULT_RATIO, params=(("ape", SUITE_APE),))]
     out.append(Setting(DEFAULT_METHOD, DEFAULT_RATIO, params=RAW))
     if with_tuned:
         out.append(Setting(TUNED_METHOD, 0.0, model=TUNED))

@@ -51,15 +51,29 @@ def ape_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     `context` keys (bool [kv] or [q, kv]); `allowed` (bool, broadcastable to [b, heads, q, kv]) hides what
     a query must not see. Scores and softmax in float32, as transformers' eager attention takes its
     softmax. Returns [b, heads, q, d] (SDPA's layout)."""
-    groups = query.shape[1] // key.shape[1]
-    k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    scores = torch.matmul(query, k.transpose(-1, -2)) * scaling
-    ctx = context if allowed is None else context & allowed
-    logits = ape_logits(scores, ctx, ape)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+    b, heads, n, d = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    # the query heads sharing a K/V head as rows of one matrix: K/V read as stored, never repeated per head
+    grouped = query.reshape(b, kv_heads, groups * n, d)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scaling  # [b, kv_heads, groups * n, kv]
+    ctx, ok = _rows(context, groups, n), _rows(allowed, groups, n)
+    logits = ape_logits(scores, ctx if ok is None else ctx & ok, ape)
+    if ok is not None:
+        logits = logits.masked_fill(~ok, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, heads, n, d)
+
+
+def _rows(mask: torch.Tensor | None, groups: int, n: int) -> torch.Tensor | None:
+    """A bool mask broadcastable to [b, heads, n, kv] as the grouped rows' [..., groups * n, kv] (None stays None)."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    while mask.dim() < 4:
+        mask = mask[None]
+    if mask.shape[1] != 1:
+        raise ValueError("APE takes a mask shared by every head")
+    return mask.repeat(1, 1, groups, 1)
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,11 @@ def _attend_blocks(spec: PassSpec, module: Any, query: torch.Tensor, key: torch.
     groups = query.shape[1] // key.shape[1]
     record, spec.recorded = not spec.recorded, True  # every layer has the same shapes: ask at the first
     outs = []
+    ape_cut = query.shape[2] - spec.ape_rows if spec.ape is not None and spec.ape.active and spec.ape_rows else None
     for block in spec.blocks:
+        if ape_cut is not None and block.start >= ape_cut:  # the question's rows: attended with APE below
+            outs.append(query.new_zeros(*query.shape[:2], block.stop - block.start, value.shape[-1]))
+            continue
         q = query[:, :, block.start : block.stop]
         k, v = key[:, :, : block.keys], value[:, :, : block.keys]
         mask: Any = None
