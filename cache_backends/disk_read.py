@@ -144,7 +144,7 @@ class ReadBatch:
             for i, f in window:
                 if isinstance(f, EntryFile):
                     self._to_end(f, step)
-                    f = self._finish(f)
+                    f = finish_file(f)
                 self._results[i] = f
 
     def _to_end(self, f: EntryFile, step: int) -> None:
@@ -206,9 +206,9 @@ class ReadBatch:
             if isinstance(job, _Prep):
                 outcome = (job, self._prep(job))
             elif isinstance(job, Piece):
-                outcome = (job, self._read_hashing(job) if job.hash else self._read(job))
+                outcome = (job, self._read_hashing(job) if job.hash else _read_piece(job))
             elif isinstance(job, EntryFile):
-                outcome = (job, self._finish(job))
+                outcome = (job, finish_file(job))
             else:
                 outcome = (job, self._hash_landed(*job))
 
@@ -251,7 +251,7 @@ class ReadBatch:
             return f
         f = me.file
         if f is not None and not f.busy and f.landed():
-            return self._take_hash(f)
+            return _take_hash(f)
         if f is not None and not f.sealed:
             return self._claim(f, me)
         if self._ready:
@@ -265,7 +265,7 @@ class ReadBatch:
             return _Prep(lo, self._next)
         for g in self._active:  # the tail: pieces another thread read for an entry of a third
             if not g.busy and g.landed():
-                return self._take_hash(g)
+                return _take_hash(g)
         for g in self._active:
             if not g.sealed:
                 return self._claim(g, me)
@@ -289,11 +289,11 @@ class ReadBatch:
                     p = Piece(f, 0, min(f.size, self._piece, FIRST), hash=True)
                     f.pieces.append(p)
                     f.next_at, f.sealed, f.busy = p.end, p.end >= f.size, True  # nobody else sees f yet
-                    p.reached = self._read(p)
+                    p.reached = _read_piece(p)
                     self._consume_range(f, p.end, p.reached)
                     f.consumed, f.busy = 1, False
                     if f.sealed:  # read whole, or failed
-                        out[-1] = (i, self._finish(f))
+                        out[-1] = (i, finish_file(f))
                 else:
                     out.append((i, f))
         except BaseException:
@@ -325,13 +325,6 @@ class ReadBatch:
             f.busy = p.hash = True
         f.pieces.append(p)
         return p
-
-    def _take_hash(self, f: EntryFile) -> tuple[EntryFile, int]:
-        f.busy = True
-        return f, f.landed()
-
-    def _read(self, p: Piece) -> int:  # a piece into its entry's buffer: the position reached
-        return read_range(p.file, p.begin, p.end)
 
     def _read_hashing(self, p: Piece) -> int:
         """Read a piece its reader hashes (this thread holds `f.busy`), `HASH_STEP` bytes at a time, each
@@ -379,17 +372,12 @@ class ReadBatch:
 
     def _hash(self, f: EntryFile) -> None:
         if f.header is None:
-            n = int.from_bytes(f.view[:8], "little") if f.reached >= 8 else None
-            if n is not None and n <= MAX_HEADER_BYTES and f.reached < 8 + n <= f.size:
+            status = start_header(f)
+            if status is None:
                 return  # a header longer than a piece: wait for the next one
-            try:
-                f.header, f.start = parse_header(f.arr[: f.reached])  # numpy: no torch call per step
-                f.hasher = checksum_start(f.arr, f.header, f.start, f.mac_key, f.key)
-                f.prepared = prepare_entry(f.buf, f.header, f.start)  # views and fields, no data yet
-            except CorruptEntryError as exc:  # older formats too: no need to read further
-                self._fail(f, exc)
+            if isinstance(status, CorruptEntryError):  # older formats too: no need to read further
+                self._fail(f, status)
                 return
-            f.hashed = f.start
         if f.reached > f.hashed:
             f.hasher.update(f.view[f.hashed : f.reached])
             f.hashed = f.reached
@@ -399,24 +387,51 @@ class ReadBatch:
             f.failed = exc
             f.sealed = True  # its remaining pieces are not handed out
 
-    def _finish(self, f: EntryFile) -> Fetched:
-        if f.failed is not None:
-            fetched: Fetched = (f.failed, f.reached)
-        elif f.prepared is None or f.hashed != f.size:  # pragma: no cover - every piece is in and hashed
-            fetched = (CorruptEntryError("entry read incompletely"), f.reached)
-        else:
-            try:
-                fetched = (finish_entry(f.prepared, f.hasher.hexdigest(), keyed=f.mac_key is not None), f.size)
-            except CorruptEntryError as exc:
-                fetched = (exc, f.size)
-        if f.touch:
-            try:
-                os.utime(f.fd)  # last use, for LRU
-            except OSError:
-                pass
-        close_entry_file(f)
-        return fetched
 
+def _take_hash(f: EntryFile) -> tuple[EntryFile, int]:
+    f.busy = True
+    return f, f.landed()
+
+
+def _read_piece(p: Piece) -> int:
+    """A piece into its entry's buffer: the position reached."""
+    return read_range(p.file, p.begin, p.end)
+
+
+def start_header(f: EntryFile) -> bool | CorruptEntryError | None:
+    """Parse `f`'s header from the bytes landed and start its checksum and views: True once done; None while the
+    header is longer than what landed (wait for the next piece); the error where it is not an entry's."""
+    n = int.from_bytes(f.view[:8], "little") if f.reached >= 8 else None
+    if n is not None and n <= MAX_HEADER_BYTES and f.reached < 8 + n <= f.size:
+        return None
+    try:
+        f.header, f.start = parse_header(f.arr[: f.reached])  # numpy: no torch call per step
+        f.hasher = checksum_start(f.arr, f.header, f.start, f.mac_key, f.key)
+        f.prepared = prepare_entry(f.buf, f.header, f.start)  # views and fields, no data yet
+    except CorruptEntryError as exc:
+        return exc
+    f.hashed = f.start
+    return True
+
+
+def finish_file(f: EntryFile) -> Fetched:
+    """An entry read whole (or failed) as what a get returns: decoded and verified, or its error; the file closed."""
+    if f.failed is not None:
+        fetched: Fetched = (f.failed, f.reached)
+    elif f.prepared is None or f.hashed != f.size:  # pragma: no cover - every piece is in and hashed
+        fetched = (CorruptEntryError("entry read incompletely"), f.reached)
+    else:
+        try:
+            fetched = (finish_entry(f.prepared, f.hasher.hexdigest(), keyed=f.mac_key is not None), f.size)
+        except CorruptEntryError as exc:
+            fetched = (exc, f.size)
+    if f.touch:
+        try:
+            os.utime(f.fd)  # last use, for LRU
+        except OSError:
+            pass
+    close_entry_file(f)
+    return fetched
 
 
 def read_entry(fd: int, buf: torch.Tensor, mac_key: MacKey | None = None, key: str = "") -> Fetched:

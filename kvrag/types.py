@@ -136,6 +136,7 @@ class AnswerStats:
             + (f" drafts_served={self.draft_accepted}" if self.draft_accepted else "")
             + (f" whole_chunks={self.whole_chunks}" if self.whole_chunks else "")
             + (f" prefix_hit={self.prefix_hit_tokens}" if self.prefix_hit_tokens else "")
+            + (" tiers=" + ",".join(f"{t}:{n}" for t, n in sorted(self.tiers.items())) if self.tiers else "")
             + (f" default={self.default.split(' ')[0]}" if self.default else "")
         )
 

@@ -64,10 +64,10 @@ class Shot:
     methods: list[str]  # "Method: fusionrag (recompute 15%)" or "Method: read whole (short context)"
     prefix: list[str]  # "Prefix cache: reused 612 of 640 prompt tokens from the previous turn. ..."
     marks: int  # highlighted runs of recomputed tokens on the page
-    picker: str = ""  # the method picker's setting as the page opened ("default")
     seconds: float
     command: list[str] = field(default_factory=list)  # how the app was started
     steps: dict[str, float] = field(default_factory=dict)  # seconds each step took: where a slow run spent its time
+    picker: str = ""  # the method picker's setting as the page opened ("default")
 
     @property
     def recomputes(self) -> bool:

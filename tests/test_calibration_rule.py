@@ -63,3 +63,32 @@ def test_none_passing_is_full_attention_with_the_reason():
 def test_may_lose_is_the_most_that_keeps_ninety_percent(full_right):
     rule = Rule(96, full_right)
     assert (full_right - rule.may_lose) / full_right >= 0.9 > (full_right - rule.may_lose - 1) / full_right
+
+
+def test_ingest_says_when_its_stored_kv_will_be_read(monkeypatch):
+    """`kvrag ingest` ends by saying at what retrieval size the KV it stored is read (issue 70, item 4)."""
+    from kvrag.cli.ingest import kv_use_note
+    from kvrag.defaults import DefaultSetting
+
+    monkeypatch.delenv("KVRAG_SHORT_CONTEXT", raising=False)
+    monkeypatch.delenv("KVRAG_MIN_RECOMPUTE", raising=False)
+
+    class Engine:
+        def __init__(self, setting):
+            self.setting = setting
+
+        def peek_default(self):
+            return self.setting
+
+    reuse = kv_use_note(Engine(DefaultSetting("fusionrag", 0.15, "calibrated", "why", Ape(0.9, 1.0))), 120.4)
+    assert "~120 tokens a chunk, 6 chunk(s) or fewer" in reuse and "from 7 retrieved chunks on" in reuse
+    assert "fusionrag@0.15+ape(T=0.9,S=1) (calibrated)" in reuse
+    full = kv_use_note(Engine(DefaultSetting("full", 0.15, "calibrated", "why")), 120)
+    assert "Full Attention" in full and "never this KV" in full
+    assert "not calibrated yet" in kv_use_note(Engine(None), 120)
+
+
+def test_summary_names_the_tier_each_chunk_came_from():
+    from kvrag.types import AnswerStats
+
+    assert "tiers=computed:1,disk:3" in AnswerStats(method="reuse", tiers={"disk": 3, "computed": 1}).summary()

@@ -18,7 +18,8 @@ def test_ingest_names_a_fifo_a_blank_file_and_unsupported_types(tmp_path, capsys
     files, skipped = _ingest_files(args)
     err = capsys.readouterr().err
     assert [f.name for f in files] == ["good.txt"]
-    assert sorted(os.path.basename(s) for s in skipped) == ["blank.md", "empty.txt", "link.md", "pipe.txt"]
+    assert sorted(os.path.basename(s.split(": ")[0]) for s in skipped) == ["blank.md", "empty.txt", "link.md", "pipe.txt"]
+    assert all(": " in s for s in skipped)  # each with why
     assert "pipe.txt: a FIFO (named pipe), not a regular file" in err
     assert "blank.md: it holds no text" in err and "empty.txt: it holds no text" in err
     assert "link.md: a symlink to" in err and "which is a FIFO" in err

@@ -289,7 +289,28 @@ def _ingest_locally(args: argparse.Namespace, files: list[Path], skipped: list[s
         f"{total.tokens} tokens) in {time.perf_counter() - t0:.1f}s; store {rag.store.url}",
         file=sys.stderr,
     )
+    print(kv_use_note(rag, total.tokens / max(1, total.chunks)), file=sys.stderr)
     return 0
+
+
+def kv_use_note(rag: Any, chunk_tokens: float) -> str:
+    """When the KV just stored will be read: a question whose chunks hold no more than the read-whole limit is
+    read whole (Full Attention), and a default of Full Attention reads every question whole; said at ingest,
+    so nobody stores KV that no default question reads without knowing it."""
+    from kvrag.options import AnswerOptions
+
+    limit = AnswerOptions().full_context_tokens()
+    per = max(1, round(chunk_tokens))
+    upto = limit // per
+    known = rag.peek_default() if hasattr(rag, "peek_default") else None
+    where = (f"a question over at most {limit} chunk tokens is read whole (--short-context/--min-recompute): with "
+             f"~{per} tokens a chunk, {upto} chunk(s) or fewer; the stored KV is read from {upto + 1} retrieved chunks on "
+             f"(`kvrag ask -k {upto + 1}`)" if limit else "every question reads the stored KV (the read-whole limit is off)")
+    if known is not None and known.method == "full":
+        return (f"kvrag: note: the default here is Full Attention ({known.label()}): questions that name no method read "
+                f"their chunks whole, never this KV; a reuse method (--method) reads it where {where}")
+    default = known.label() if known is not None else "not calibrated yet"
+    return f"kvrag: note: when the stored KV is read (the default: {default}): {where}"
 
 
 def _ingest_via_server(args: argparse.Namespace, files: list[Path], skipped: list[str], open_index: Callable[[], Any]) -> int:

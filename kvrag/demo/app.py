@@ -222,8 +222,8 @@ def show_reply(reply: Reply, open_chunks: bool = False) -> None:
     close.metric("Same answer as Full", "yes" if reply.same else "no", help="the two answers' texts, normalised, are equal")
     kl.metric("First-token KL", f"{max(reply.kl, 0.0):.3f}",
               help="KL divergence of this answer's first-token distribution from Full Attention's: 0 means identical")
-    st.caption(f"Prefix cache: {prefix_line(stats)} (this browser session's own). Speed from {speed_source(stats)}. "
-               f"{counts_line(stats)}")
+    st.caption(f"Prefix cache: {prefix_line(stats)}. It is this browser session's own; the speed-up came from "
+               f"{speed_source(stats)}. {counts_line(stats)}")
     with st.expander("Full Attention's answer (the reference: whole conversation re-read, prefix cache off)"):
         show_answer(reply.full_text)
     st.caption(chunks_caption(reply.method, stats, reply.chunks))

@@ -28,6 +28,7 @@ from kvrag.ingest.index_url import (
     parse_index_url,
     unavailable_as,
 )
+from kvrag.ingest.index_entries import EMBEDDING, EMBEDDING_KEY, changed_entries, open_collection  # noqa: F401 (re-exported)
 from kvrag.ingest.index_guard import Binding, Screen, last_skipped, query_screened
 from kvrag.ingest.index_trust import MAC_FIELD, VECTOR_FIELD, VECTOR_MAC_FIELD, index_key, signed_metadata, vector_verdict, verified_entry
 from kvrag.types import Chunk
@@ -45,8 +46,6 @@ __all__ = ["EMBEDDING", "ChunkIndex", "EmbeddingMismatchError", "IndexUnavailabl
 _TITLE_KEY = "title"
 SOURCE_NAME_KEY = "source_name"  # a file's name relative to the folder ingested (what clients are shown)
 _KVRAG_FIELDS = (MAC_FIELD, VECTOR_FIELD, VECTOR_MAC_FIELD)  # what the store key writes beside a chunk's own metadata
-EMBEDDING_KEY = "kvrag_embedding"  # collection metadata: the model its vectors came from
-EMBEDDING = "all-MiniLM-L6-v2/384/normalized"  # this build's embedding model, as the collection records it
 
 T = TypeVar("T")
 log = logging.getLogger("kvrag.ingest")
@@ -287,25 +286,10 @@ class ChunkIndex:
     def _open(self) -> Any:
         if self._where is not None and self._client is None:
             self._client = open_http_client(self._where)
-        with unavailable_as(self.path):
-            coll = self._client.get_or_create_collection(
-                name=self.collection_name,
-                # embedded: as it always was (collections made before vectors were passed keep their function);
-                # shared: vectors are always passed, so the server never needs (or stores) a local model path
-                embedding_function=None if self.shared else embedding_function(),
-                metadata={EMBEDDING_KEY: EMBEDDING},
-                configuration={"hnsw": {"space": "cosine"}},
-            )
-            recorded = (coll.metadata or {}).get(EMBEDDING_KEY)
-            if recorded is None:  # made by an older kvrag (the same model): record it now
-                coll.modify(metadata={**(coll.metadata or {}), EMBEDDING_KEY: EMBEDDING})
-            elif recorded != EMBEDDING:
-                raise EmbeddingMismatchError(
-                    f"the index {self.path} holds vectors of the embedding model {recorded!r}, and this kvrag embeds with "
-                    f"{EMBEDDING!r}: their vectors do not compare. Use another collection (--index .../NAME), or re-ingest "
-                    "into a fresh one with one embedding model for every replica")
-        self._coll = coll
-        return coll
+        # embedded: as it always was (collections made before vectors were passed keep their function);
+        # shared: vectors are always passed, so the server never needs (or stores) a local model path
+        self._coll = open_collection(self._client, self.collection_name, self.path, None if self.shared else embedding_function())
+        return self._coll
 
     @property
     def _collection(self) -> Any:
@@ -396,22 +380,7 @@ class ChunkIndex:
 
     def _changed(self, items: list[Chunk], batch_size: int) -> list[Chunk]:
         """Those of `items` that are not in the index as they are (text and metadata, title included)."""
-        stored: dict[str, tuple[Any, Any]] = {}
-        include = ["documents", "metadatas", "embeddings"] if self._key else ["documents", "metadatas"]
-        for start in range(0, len(items), batch_size):
-            ids = [c.id for c in items[start : start + batch_size]]
-            result = self._run(lambda coll: coll.get(ids=ids, include=include))
-            docs = result.get("documents") or [None] * len(result["ids"])
-            metas = result.get("metadatas") or [None] * len(result["ids"])
-            vecs = _rows(result.get("embeddings"), len(result["ids"]))
-            for i, d, m, v in zip(result["ids"], docs, metas, vecs):
-                m = dict(m or {})
-                if vector_verdict(self._key, m, v) != "ok":  # vector unsigned or moved: written whole again
-                    continue
-                m.pop(VECTOR_FIELD, None)
-                m.pop(VECTOR_MAC_FIELD, None)
-                stored[i] = (d, m)
-        return [c for c in items if stored.get(c.id) != (c.text, self._entry_metadata(c))]  # unsigned ones: signed now
+        return changed_entries(self._run, self._key, items, batch_size, self._entry_metadata)
 
     def query(self, question: str, k: int = 5) -> list[Chunk]:
         """The k chunks closest in meaning to `question`, best first ([] if the index is empty)."""

@@ -1,8 +1,8 @@
-"""Same-process A/B for issue 68: the disk tier's get with disk_read.py from before (ee3aab8~1) and as it is now,
+"""Same-process A/B for the disk-get target: the disk tier's get with disk_read.py from before (ee3aab8~1) and as it is now,
 rounds interleaved with the bench's own plain read + xxh3 (kvrag.eval.store_bench's entries and timing).
 
     mkdir -p /tmp/old68 && git archive ee3aab8~1 cache_backends | tar -x -C /tmp/old68
-    nice -n 19 python docs/bench/store-tiers-cpu/ab_issue68.py 2
+    nice -n 19 python docs/bench/store-tiers-cpu/ab_disk_get.py 2
 """
 import importlib.util
 import sys
