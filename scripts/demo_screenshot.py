@@ -224,11 +224,16 @@ def drive(url: str, out: Path, chromium: str, timeout: float, top_k: int | None 
 
 
 def _picker(page: Any) -> str:
-    """The method picker's shown value (the sidebar's first select box)."""
+    """The method picker's shown value (the page's first select box): its text, or its input's value."""
     try:
-        return page.locator('[data-testid="stSelectbox"]').first.inner_text().splitlines()[-1].strip()
-    except Exception:  # noqa: BLE001 (a page without it: the check says so)
-        return ""
+        seen = page.evaluate(
+            "() => { const b = document.querySelector('[data-testid=\"stSelectbox\"]');"
+            " if (!b) return ''; return b.innerText + '\\n' + [...b.querySelectorAll('input')]"
+            ".map(i => i.value || i.getAttribute('aria-label') || '').join('\\n'); }")
+    except Exception as exc:  # noqa: BLE001 (a page without it: the check says so)
+        return f"(unreadable: {exc})"
+    texts = [t.strip() for t in str(seen).splitlines()]
+    return next((t for t in texts if t and t != "Method" and not t.startswith("Selected")), "|".join(texts))
 
 
 def stop(proc: subprocess.Popen) -> None:
