@@ -38,13 +38,6 @@ def ape_logits(scores: torch.Tensor, context: torch.Tensor, ape: Ape) -> torch.T
     return torch.where(context, ctx + coef * torch.nan_to_num(lse, neginf=0.0), scores)
 
 
-def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return t
-    b, h, n, d = t.shape
-    return t[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-
-
 def ape_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
                   context: torch.Tensor, ape: Ape, scaling: float) -> torch.Tensor:
     """Attention of `query` [b, heads, q, d] over `key`/`value` [b, kv_heads, kv, d] with APE on the
@@ -108,14 +101,14 @@ def decode_ape() -> DecodeApe | None:
     return _DECODE.get()
 
 
-def allowed_from_mask(mask: Any, q: int, kv: int) -> torch.Tensor | None:
+def allowed_from_mask(mask: Any, q: int, kv: int, device: torch.device | None = None) -> torch.Tensor | None:
     """A transformers attention mask (None, bool, or additive float [b, 1, q, >= kv]) as bool 'may attend';
     None with several queries is causal, the queries being the last `q` keys (what SDPA's is_causal means
     over a cache)."""
     if mask is None:
         if q == 1:
             return None
-        return torch.ones(q, kv, dtype=torch.bool).tril(kv - q)
+        return torch.ones(q, kv, dtype=torch.bool, device=device).tril(kv - q)
     m = mask[..., :q, :kv] if mask.dim() == 4 else mask
     if m.dtype == torch.bool:
         return m

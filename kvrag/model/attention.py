@@ -216,7 +216,7 @@ def _attend_blocks(spec: PassSpec, module: Any, query: torch.Tensor, key: torch.
 
 def _with_ape(spec: PassSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
               out: torch.Tensor) -> torch.Tensor:
-    """The pass's last `ape_rows` rows (the question) attended again with APE
+    """The pass's last `ape_rows` rows (the question), which the blocks above left empty, attended with APE
     over the context slots; a few dozen rows, so one [rows, keys] score matrix a layer."""
     n = spec.ape_rows
     if n == 0 or spec.ape_context is None:
@@ -236,7 +236,7 @@ def kvrag_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         dape = decode_ape()
         if dape is not None:  # a decode step with APE over the chunk slots (kvrag.model.ape)
             n_q, n_kv = query.shape[2], key.shape[2]
-            allowed = allowed_from_mask(attention_mask, n_q, n_kv)
+            allowed = allowed_from_mask(attention_mask, n_q, n_kv, query.device)
             scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
             out = ape_attention(query, key, value, allowed, dape.context(n_kv, query.device), dape.ape, scale)
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
