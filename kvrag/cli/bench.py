@@ -64,12 +64,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(e.g. --adapter lora5=a.safetensors --methods kvlink:link_tokens=5,model=lora5 --ratios 0)")
 
     ev = sub.add_parser("eval", help="evaluation suites: `eval suite` decides the default on several kinds of data")
-    ev.add_argument("suite", choices=("suite", "storage", "layout", "calibration"),
+    ev.add_argument("suite", choices=("suite", "storage", "layout", "calibration", "steps"),
                     help="suite: every set at two answer lengths, the rule applied (docs: Methods, how the default is chosen); "
                          "storage: each set answered from float32, bf16 and int8 stores, against float32 storage's answers "
                          "(the first --lengths value); layout: every candidate prompt layout over the sets and two-turn "
                          "conversations, the default layout chosen by the rule (docs/bench/layout); calibration: the model's "
-                         "calibrated default against Full Attention on every set and length (README.md and calibration.json)")
+                         "calibrated default against Full Attention on every set and length (README.md and calibration.json); "
+                         "steps: a training run's adapter snapshots (--run) against base Full and plain reuse, agreement per step")
     ev.add_argument("--out", required=True, help="output folder (re-running resumes): suite.md/json/png, or storage.md/json/png for eval storage")
     ev.add_argument("--data-dir", default="../shared/data", help="folder with nq10_dev.jsonl, musique_dev.jsonl, kv75_dev.jsonl")
     ev.add_argument("--sets", default=None, help="which sets, comma-separated (default: sample,facts,facts-one,nq10,facts-long,musique,kv75; "
@@ -83,6 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv, removed when the run completes)")
     ev.add_argument("--keep-store", action="store_true", help="keep the default store under OUT/kv after a completed run")
     ev.add_argument("--device", default="auto", help=DEVICE_HELP)
+    ev.add_argument("--run", default=None, help="eval steps: the training run folder whose snaps/step-N.safetensors are judged")
     ev.add_argument("--report-only", action="store_true", help="no new answers: the table of what OUT holds so far")
     dv = sub.add_parser("bench-deviation", help="KV deviation from Full Attention: plain vs similarity-guided entries")
     dv.add_argument("--data", required=True, help="a JSONL shaped like shared/data/*.jsonl (PATH@START:END for rows)")
@@ -130,6 +132,10 @@ def _eval_command(args: argparse.Namespace) -> int:
         from kvrag.cli.eval_calibration import cmd_eval_calibration
 
         return cmd_eval_calibration(args)
+    if args.suite == "steps":
+        from kvrag.cli.eval_steps import cmd_eval_steps
+
+        return cmd_eval_steps(args)
     return _run("cmd_eval_suite")(args)
 
 
