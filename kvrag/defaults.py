@@ -161,7 +161,11 @@ MAX_DRAFT_TOKENS = 8
 # the `link_adapter=` / `--link-adapter` words that name shipped adapters (kvrag.fuse.links)
 SHIPPED_SPECS = ("auto", "links", "tuned")
 DEFAULT_MAX_CHUNKS = 10  # chunk indices with their own link rows (KVLink's reference code: 10)
-LINK_MODES = ("links", "lora", "full")  # what KVLink training changes: link rows, + LoRA, + every weight
+# what KVLink training changes: link rows; + LoRA; + LoRA applied only after the cached chunks (the chunks' KV stays the
+# base weights', one store for every method); + every weight
+LINK_MODES = ("links", "lora", "lora-after", "full")
+LORA_MODES = ("lora", "lora-after")
+BASE_CHUNK_MODES = ("links", "lora-after")  # the adapter reads the base weights' chunk KV
 OBJECTIVES = ("gold", "distill")  # KVLink training's loss: gold answers, or distillation from base Full Attention
 
 

@@ -27,7 +27,7 @@ from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_a
 from kvrag.model.loading import LoadedModel, load_model
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
 from kvrag.options import TUNED_METHOD, AnswerOptions
-from kvrag.pipeline import AnswerStream, Prefill
+from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
 from kvrag.kv.repository import Resolved
 from kvrag.kv.repository import PrecomputeReport
 from kvrag.types import Chunk
@@ -203,7 +203,7 @@ class KVRag(KVRagCore):
         """`KVRagCore.precompute`; with a weight-changing adapter, the adapter's chunk KV too (kvlink reads it)."""
         chunks = list(chunks)
         report = super().precompute(chunks, batch_size, progress, kind, neighbours, top_n, index)
-        if self._fast is not None and kind == KIND_CHUNK:
+        if self._fast is not None and kind == KIND_CHUNK and not self._fast.shares_chunks:
             with self._fast.lm.lock:
                 self._fast.repo.precompute(chunks, batch_size, progress, kind, None, top_n, None)
         return report
@@ -212,19 +212,24 @@ class KVRag(KVRagCore):
         texts = [c for c in chunks if c.text.strip()]
         self.check_links_readable([c.id for c in texts])  # before the fast path forgets anything: whole or not at all
         deleted = 0
-        if self._fast is not None:  # before the base forgets them: the registry is shared
+        if self._fast is not None and not self._fast.shares_chunks:  # before the base forgets them: the registry is shared
             deleted += self._fast.repo.forget(self._fast.repo.resolve(texts))
         return deleted + super().forget(chunks)
 
 
 class _AdapterPath(KVRagCore):
-    """kvlink's fast path over merged weights: the base engine's store, layout and chunk registry,
-    its own chunk KV (keys from the merged fingerprint)."""
+    """kvlink's fast path over merged weights: the base engine's store, layout and chunk registry, and
+    its own chunk KV (keys from the merged fingerprint), or, for a LoRA trained only at the positions
+    after the chunks (mode lora-after), the base engine's chunk KV read by the merged weights."""
 
     def __init__(self, lm: LoadedModel, base: KVRagCore, adapter: LinkAdapter) -> None:
         super().__init__(lm, store=base.store, layout=base.layout, batch_size=base.batch_size)
         self.repo.chunks = base.repo.chunks  # one registry: ids registered through either path resolve in both
         self._adapter = adapter
+        self.shares_chunks = adapter.reads_base_chunks
+        if self.shares_chunks:  # the base weights encode (and key) the chunks; the merged ones read the prompt and decode
+            self.repo = base.repo
+            self.pipeline = RequestPipeline(base.repo, self.rotary, lambda: self.link_adapter, self.prefix_cache, lm=lm)
 
     @property
     def link_adapter(self) -> LinkAdapter:
@@ -236,6 +241,8 @@ class _AdapterPath(KVRagCore):
 
     def rekey(self, resolved: Resolved) -> Resolved:
         """The base path's resolved chunks (ids looked up there, token ids known) keyed for these weights."""
+        if self.shares_chunks:
+            return resolved
         return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.chunk_key(ids, resolved.salt) for ids in resolved.token_ids],
                         whole=resolved.whole, salt=resolved.salt)
 

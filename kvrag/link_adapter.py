@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from kvrag.errors import AdapterMismatchError
 from kvrag.kv.layout import LAYOUT_VERSION
 from kvrag.model.loading import LoadedModel, architecture_identity, text_config
-from kvrag.defaults import LINK_MODES as MODES
+from kvrag.defaults import BASE_CHUNK_MODES, LINK_MODES as MODES
 from kvrag.defaults import SHIPPED_SPECS, names_no_adapter  # noqa: F401 (re-exported: the words that name adapters)
 from kvrag.fuse.links import default_link_embeds, link_rows
 from kvrag.version import __version__
@@ -106,6 +106,12 @@ class LinkAdapter:
     @property
     def changes_model(self) -> bool:
         return bool(self.lora or self.weights)
+
+    @property
+    def reads_base_chunks(self) -> bool:
+        """Whether kvlink reads the base weights' chunk KV with this adapter (links; LoRA trained only at the
+        positions after the chunks): then the chunks are stored once, for every method."""
+        return self.mode in BASE_CHUNK_MODES
 
     def rows(self, n_chunks: int) -> torch.Tensor:
         return link_rows(self.embeds, n_chunks)

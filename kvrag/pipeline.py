@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from kvrag.model.loading import LoadedModel
 from kvrag.model.attention import kernel_log
 from kvrag.chat import Conversation
 from kvrag.model.cache import cache_kv, cache_len, cache_nbytes
@@ -83,10 +84,12 @@ class RequestPipeline:
     """Answers one request at a time over a repository's KV with the shared recompute pass."""
 
     def __init__(self, repo: KVRepository, rotary: Rotary, link_adapter: Callable[[], object],
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, lm: LoadedModel | None = None) -> None:
+        """`lm`: the weights that read the stitched prompt and decode, where they are not the ones that
+        encoded the chunks (`repo.lm`): a LoRA applied only after the chunks."""
         self.repo = repo
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
-        self.lm = repo.lm
+        self.lm = lm if lm is not None else repo.lm
         self.rotary = rotary
         self._link_adapter = link_adapter
         self._default_links: dict[int, torch.Tensor] = {}

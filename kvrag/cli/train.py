@@ -27,7 +27,7 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run folder: checkpoint/, loss.png, adapter.safetensors")
     p.add_argument("--adapter-out", default=None, help="where to write the adapter (default OUT/adapter.safetensors)")
     p.add_argument("--model", default=None, help="HF id, folder or .gguf (default: the bundled SmolLM2)")
-    p.add_argument("--mode", choices=MODES, default=d.mode, help="links: link embeddings only (base weights); lora: plus LoRA; full: every weight")
+    p.add_argument("--mode", choices=MODES, default=d.mode, help="links: link embeddings only (base weights); lora: plus LoRA; lora-after: plus LoRA at the positions after the cached chunks only (their KV stays the base weights', read from the store); full: every weight")
     p.add_argument("--link-tokens", type=int, default=d.link_tokens, help="K link tokens per chunk (default %(default)s)")
     p.add_argument("--max-chunks", type=int, default=d.max_chunks, help="chunk indices with their own link rows (default %(default)s)")
     p.add_argument("--min-chunks", type=int, default=None,
@@ -41,9 +41,9 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--link-lr", type=float, default=d.link_lr, help="link embeddings (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     p.add_argument("--warmup", type=int, default=d.warmup, help="learning-rate warm-up steps")
-    p.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank (mode lora)")
-    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help="LoRA scale numerator (mode lora)")
-    p.add_argument("--lora-targets", default=d.lora_targets, help="module names LoRA wraps, comma-separated (mode lora)")
+    p.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank (modes lora, lora-after)")
+    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help="LoRA scale numerator (modes lora, lora-after)")
+    p.add_argument("--lora-targets", default=d.lora_targets, help="module names LoRA wraps, comma-separated (modes lora, lora-after)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the data order and initialisation")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="the longest example in tokens: trailing passages that are not the gold one are dropped to fit")
@@ -61,7 +61,7 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--allow-eval-rows", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system-prompt", default=None, help="the system text the training prompts carry (default: the engine's instruction)")
-    p.add_argument("--store", default=None, help="mode links: KV store URL for chunk KV (default disk://$KVRAG_HOME/kv)")
+    p.add_argument("--store", default=None, help="modes links, lora-after: KV store URL for chunk KV (default disk://$KVRAG_HOME/kv)")
     p.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
                    help="gold: cross-entropy of the rows' gold answers; distill: imitate the base model with Full "
                         "Attention (KL over its greedy continuation; gold answers unused) (default %(default)s)")

@@ -21,7 +21,6 @@ keyed by a hash of the prompt ids, so a resumed run reads them back instead of g
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,7 +28,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -38,7 +37,7 @@ from kvrag.model.cache import cache_arg, empty_cache
 from kvrag.kv.layout import PromptLayout, Segments
 from kvrag.training.config import TrainConfig
 from kvrag.training.data import Example, build_distill_example, example_kind
-from kvrag.training.passes import batch_context, batch_logits, pass_batch
+from kvrag.training.passes import base_weights, batch_context, batch_logits, pass_batch  # noqa: F401 (base_weights: re-exported)
 
 MEMORY_ENTRIES = 64  # teacher targets kept in memory (full-vocabulary targets are ~6 MB each on a 49k vocabulary)
 
@@ -95,16 +94,6 @@ def compress(logp: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor 
     values, index = logp.topk(topk, dim=-1)
     rest = logp.scatter(-1, index, float("-inf")).logsumexp(-1, keepdim=True)
     return torch.cat([values, rest], dim=-1), index
-
-
-@contextlib.contextmanager
-def base_weights(model: Any) -> Iterator[Any]:
-    """The base model inside: a peft model with its adapter switched off, any other model as it is."""
-    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
-        with model.disable_adapter():
-            yield model
-    else:
-        yield model
 
 
 @torch.no_grad()

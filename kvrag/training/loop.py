@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from kvrag.decode.stream import eos_ids
+from kvrag.defaults import BASE_CHUNK_MODES
 from kvrag.engine import KVRag
 from kvrag.kv.layout import PromptLayout
 from kvrag.fuse.links import default_link_embeds
@@ -223,7 +224,7 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     planned = total_steps(len(rows), cfg)
     total = schedule_total(state, planned)
     rag, rotary = None, None
-    if cfg.mode == "links":  # frozen model: chunk KV from the engine's store, computed once per passage
+    if cfg.mode in BASE_CHUNK_MODES:  # the base weights encode the chunks: their KV from the engine's store, computed once per passage
         rag = KVRag(lm, store=cfg.store, layout=layout, check=False, link_adapter=None)
     else:
         rotary = Rotary(model.get_base_model() if hasattr(model, "get_base_model") else model)

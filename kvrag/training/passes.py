@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -211,10 +213,21 @@ def batch_loss(model: Any, context: Context, batch: PassBatch, links: torch.Tens
     return torch.nn.functional.cross_entropy(batch_logits(model, context, batch, links).float(), batch.targets)
 
 
+@contextlib.contextmanager
+def base_weights(model: Any) -> Iterator[Any]:
+    """The base model inside: a peft model with its adapter switched off, any other model as it is."""
+    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+        with model.disable_adapter():
+            yield model
+    else:
+        yield model
+
+
 def batch_context(model: Any, examples: Sequence[Example], rag: Any = None, rotary: Any = None) -> Context:
-    """A micro-batch's context: from the engine (`rag`, mode links) or encoded here (`rotary`, with gradients)."""
+    """A micro-batch's context: from the engine (`rag`, modes links and lora-after: the base weights' chunk KV, the
+    LoRA switched off while a missing chunk is computed) or encoded here (`rotary`, with gradients)."""
     if rag is not None:
-        with torch.no_grad():
+        with torch.no_grad(), base_weights(model):
             return load_context(rag, examples)
     return encode_context(model, rotary, examples)
 

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvrag.defaults import LORA_MODES
 from kvrag.link_adapter import LinkAdapter
 from kvrag.training.config import TrainConfig
 
@@ -14,11 +15,11 @@ from kvrag.training.config import TrainConfig
 def prepare_model(model: Any, cfg: TrainConfig) -> tuple[Any, list[tuple[str, torch.nn.Parameter]]]:
     """The model to train (peft-wrapped for lora) and its trainable weights (besides the links)."""
     model.requires_grad_(False)
-    if cfg.mode == "lora":
+    if cfg.mode in LORA_MODES:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("mode 'lora' needs peft: pip install 'kvrag[train]' (or pip install peft)") from exc
+            raise ImportError(f"mode {cfg.mode!r} needs peft: pip install 'kvrag[train]' (or pip install peft)") from exc
         targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
         config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets, lora_dropout=0.0, bias="none")
         model = get_peft_model(model, config)
@@ -50,7 +51,7 @@ def export_adapter(model: Any, links: torch.Tensor, cfg: TrainConfig, header: di
     lora: dict[str, torch.Tensor] = {}
     weights: dict[str, torch.Tensor] = {}
     meta = dict(header)
-    if cfg.mode == "lora":
+    if cfg.mode in LORA_MODES:
         lora, lcfg = lora_factors(model)
         meta["lora"] = {**lcfg, "targets": cfg.lora_targets.split(",")}
     elif cfg.mode == "full":
