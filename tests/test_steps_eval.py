@@ -30,7 +30,7 @@ def _run_with_snapshots(tmp_path, steps=(0, 10, 5)):
 
 def test_snapshots_are_found_by_step_and_a_run_without_any_is_a_clear_error(tmp_path):
     _, snaps = _run_with_snapshots(tmp_path)
-    assert [s for s, _ in snaps] == [0, 5, 10]
+    assert [(label, step) for label, step, _ in snaps] == [("run", 0), ("run", 5), ("run", 10)]
     with pytest.raises(FileNotFoundError, match="step-N.safetensors"):
         snapshots(tmp_path / "nothing")
 
@@ -40,21 +40,22 @@ def test_each_snapshot_is_judged_against_the_same_full_answers(tmp_path):
     out = tmp_path / "out"
     result = run_steps(rag, snaps, {"tiny": EXAMPLES}, [3], out, progress=False)
     (block,) = result["blocks"]
-    assert block["n"] == 2 and {"full", "reuse", "kvlink@0{step0}", "kvlink@0{step5}", "kvlink@0{step10}"} <= set(block["rows"])
+    assert block["n"] == 2 and {"full", "reuse", "kvlink@0{run:0}", "kvlink@0{run:5}", "kvlink@0{run:10}"} <= set(block["rows"])
     records = [json.loads(line) for line in (out / "tiny" / "len3" / "records.jsonl").read_text().splitlines()]
     texts = {(r["example"], r["setting"]): r["answer"] for r in records}
     for ex in EXAMPLES:  # the same adapter gives the same answer, whichever step it was saved at
-        assert texts[(ex.id, "kvlink@0{step0}")] == texts[(ex.id, "kvlink@0{step10}")]
+        assert texts[(ex.id, "kvlink@0{run:0}")] == texts[(ex.id, "kvlink@0{run:10}")]
     assert block["rows"]["full"]["agree"] == 1.0
     # resumable: a second run adds no record, and the report reads back what is there
     run_steps(rag, snaps, {"tiny": EXAMPLES}, [3], out, progress=False)
     assert len((out / "tiny" / "len3" / "records.jsonl").read_text().splitlines()) == len(records)
-    assert collect(out, ["tiny"], [3], [0, 5, 10])["blocks"][0]["rows"].keys() == block["rows"].keys()
+    assert collect(out, ["tiny"], [3], [("run", 0), ("run", 5), ("run", 10)])["blocks"][0]["rows"].keys() == block["rows"].keys()
     write(result, out, {"command": "kvrag eval steps --run run"})
     text = (out / "README.md").read_text()
     assert "| tiny | 3 | 2 |" in text and "step 0" in text and "step 10" in text
     assert set(mean_agreement(result)) == {"reuse", "step 0", "step 5", "step 10"}
-    assert json.loads((out / "steps.json").read_text())["steps"] == [0, 5, 10]
+    assert json.loads((out / "steps.json").read_text())["columns"] == [["run", 0], ["run", 5], ["run", 10]]
+    assert (out / "steps.png").is_file()
 
 
 def _record(example, setting, method):
@@ -66,12 +67,14 @@ def _record(example, setting, method):
 def test_the_report_of_a_block_keeps_only_questions_every_setting_answered(tmp_path):
     folder = tmp_path / "s" / "len16"
     folder.mkdir(parents=True)
-    rows = [_record("a", st, m) for st, m in (("full", "full"), ("reuse", "reuse"), ("kvlink@0{step0}", "kvlink"))]
+    rows = [_record("a", st, m) for st, m in (("full", "full"), ("reuse", "reuse"), ("kvlink@0{a:0}", "kvlink"), ("kvlink@0{b:0}", "kvlink"))]
     rows.append(_record("b", "full", "full"))  # b was not answered by every setting: left out, rows stay paired
     (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = collect(tmp_path, ["s"], [16], [0])
+    result = collect(tmp_path, ["s"], [16], [("a", 0), ("b", 0)])
     assert result["blocks"][0]["n"] == 1
-    assert "| s | 16 | 1 | 1.00 · 0.000 · 1.00 | 1.00 · 0.000 · 1.00 | 1.00 |" in steps_markdown(result, {})
+    text = steps_markdown(result, {})  # two runs: each column names its run
+    assert "| set | tokens | n | reuse | a step 0 | b step 0 | Full contained |" in text
+    assert "| s | 16 | 1 | 1.00 · 0.000 · 1.00 | 1.00 · 0.000 · 1.00 | 1.00 · 0.000 · 1.00 | 1.00 |" in text
 
 
 def test_eval_steps_without_a_run_folder_says_what_it_needs(tmp_path, capsys):

@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv, removed when the run completes)")
     ev.add_argument("--keep-store", action="store_true", help="keep the default store under OUT/kv after a completed run")
     ev.add_argument("--device", default="auto", help=DEVICE_HELP)
-    ev.add_argument("--run", default=None, help="eval steps: the training run folder whose snaps/step-N.safetensors are judged")
+    ev.add_argument("--run", default=None, help="eval steps: training run folders, comma-separated, whose snaps/step-N.safetensors are judged side by side")
     ev.add_argument("--report-only", action="store_true", help="no new answers: the table of what OUT holds so far")
     dv = sub.add_parser("bench-deviation", help="KV deviation from Full Attention: plain vs similarity-guided entries")
     dv.add_argument("--data", required=True, help="a JSONL shaped like shared/data/*.jsonl (PATH@START:END for rows)")

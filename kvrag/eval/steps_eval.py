@@ -20,40 +20,51 @@ from kvrag.eval.suite import SETS
 
 SNAPSHOT = re.compile(r"^step-(\d+)\.safetensors$")
 BASELINES = (Setting("full"), Setting("reuse"))
+METHOD = "kvlink"
+Snapshot = tuple[str, int, Path]  # (run label, optimizer step, adapter file)
+Column = tuple[str, int]  # (run label, step)
 
 
-def snapshots(run_dir: Path) -> list[tuple[int, Path]]:
-    """The run's adapter snapshots, by step: RUN/snaps/step-N.safetensors."""
+def snapshots(run_dir: Path) -> list[Snapshot]:
+    """The run's adapter snapshots, by step: RUN/snaps/step-N.safetensors, labelled with the run folder's name."""
     folder = Path(run_dir) / "snaps"
     found = sorted((int(m.group(1)), p) for p in folder.glob("step-*.safetensors") if (m := SNAPSHOT.match(p.name)))
     if not found:
         raise FileNotFoundError(f"no adapter snapshots in {folder} (files named step-N.safetensors, one per training piece)")
-    return found
+    return [(Path(run_dir).resolve().name, step, path) for step, path in found]
 
 
-def variant_name(step: int) -> str:
-    return f"step{step}"
+def variant_name(label: str, step: int) -> str:
+    return f"{label}:{step}"
 
 
-def steps_settings(steps: Sequence[int], method: str = "kvlink") -> list[Setting]:
-    """Base Full, plain reuse, and the method with each snapshot's adapter."""
-    return list(BASELINES) + [Setting(method, 0.0, model=variant_name(s)) for s in steps]
+def column_setting(column: Column) -> Setting:
+    return Setting(METHOD, 0.0, model=variant_name(*column))
 
 
-def run_steps(rag: Any, snaps: Sequence[tuple[int, Path]], examples: dict[str, list[Any]], lengths: Sequence[int], out: Path,
+def steps_settings(columns: Sequence[Column]) -> list[Setting]:
+    """Base Full, plain reuse, and kvlink with each snapshot's adapter."""
+    return list(BASELINES) + [column_setting(c) for c in columns]
+
+
+def columns_of(snaps: Sequence[Snapshot]) -> list[Column]:
+    return [(label, step) for label, step, _ in snaps]
+
+
+def run_steps(rag: Any, snaps: Sequence[Snapshot], examples: dict[str, list[Any]], lengths: Sequence[int], out: Path,
               progress: bool = True) -> dict[str, Any]:
     """Every set (name -> its examples) at every length, each snapshot a variant over the same store
     (resumable: records per block under OUT)."""
     from kvrag.engine import KVRag
 
-    # the same weights and store (links-only adapters leave the chunk KV as it is): one chunk entry serves all
-    variants = {variant_name(step): KVRag(rag.lm, store=rag.store, layout=rag.layout, check=False, link_adapter=str(path))
-                for step, path in snaps}
-    settings = steps_settings([s for s, _ in snaps])
+    # the same base weights and store: links-only and lora-after adapters read the base chunk KV, one entry serves all
+    variants = {variant_name(label, step): KVRag(rag.lm, store=rag.store, layout=rag.layout, check=False, link_adapter=str(path))
+                for label, step, path in snaps}
+    settings = steps_settings(columns_of(snaps))
     for name, items in examples.items():
         for length in lengths:
             run(rag, items, settings, out / name / f"len{length}", max_new_tokens=length, progress=progress, variants=variants)
-    return collect(out, list(examples), lengths, [s for s, _ in snaps])
+    return collect(out, list(examples), lengths, columns_of(snaps))
 
 
 def set_examples(sets: Sequence[str], data: Path, n: int | None) -> dict[str, list[Any]]:
@@ -61,9 +72,9 @@ def set_examples(sets: Sequence[str], data: Path, n: int | None) -> dict[str, li
     return {name: SETS[name].build(data, n or SETS[name].n) for name in sets}
 
 
-def collect(out: Path, sets: Sequence[str], lengths: Sequence[int], steps: Sequence[int]) -> dict[str, Any]:
+def collect(out: Path, sets: Sequence[str], lengths: Sequence[int], columns: Sequence[Column]) -> dict[str, Any]:
     """The blocks answered so far, each over the questions every setting answered (paired rows)."""
-    names = {st.name for st in steps_settings(steps)}
+    names = {st.name for st in steps_settings(columns)}
     blocks = []
     for name in sets:
         for length in lengths:
@@ -80,28 +91,35 @@ def collect(out: Path, sets: Sequence[str], lengths: Sequence[int], steps: Seque
                 rows = {r["setting"]: r for r in summarize(keep)}
                 kind = SETS[name].kind if name in SETS else name
                 blocks.append({"set": name, "kind": kind, "length": length, "n": len(done), "rows": rows})
-    return {"steps": list(steps), "blocks": blocks}
+    return {"columns": [list(c) for c in columns], "blocks": blocks}
 
 
 def _cell(row: dict[str, Any] | None) -> str:
     return "—" if row is None else f"{row['agree']:.2f} · {row['kl']:.3f} · {row['contains']:.2f}"
 
 
+def _labels(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(column title, setting name) of each snapshot column; the run's name only where there are several runs."""
+    columns = [tuple(c) for c in result["columns"]]
+    several = len({label for label, _ in columns}) > 1
+    return [((f"{label} " if several else "") + f"step {step}", column_setting((label, step)).name) for label, step in columns]
+
+
 def steps_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
-    steps = result["steps"]
-    head = ["set", "tokens", "n", "reuse"] + [f"step {s}" for s in steps] + ["Full contained"]
+    labels = _labels(result)
+    head = ["set", "tokens", "n", "reuse"] + [title for title, _ in labels] + ["Full contained"]
     lines = [
         "# Agreement with base Full Attention against training steps", "",
         f"`{meta.get('command', '')}`", "",
-        f"hardware: {meta.get('hardware_line', '')}; model: {meta.get('model', '')}; run: {meta.get('run', '')}; greedy.", "",
+        f"hardware: {meta.get('hardware_line', '')}; model: {meta.get('model', '')}; runs: {meta.get('run', '')}; greedy.", "",
         "Each cell: agreement with base Full's answer · first-token KL to base Full · gold contained. \"reuse\" is plain "
-        "reuse (no link tokens); \"step N\" is kvlink with the adapter the run had after N optimizer steps (step 0: "
-        "the link embeddings' initial values). Every answer is paired with base Full's in the same run.", "",
+        "reuse (no link tokens); \"step N\" is kvlink with the adapter its run had after N optimizer steps (step 0: "
+        "the initial values). Every answer is paired with base Full's in the same run.", "",
         "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
     ]
     for b in result["blocks"]:
         rows = b["rows"]
-        cells = [_cell(rows.get("reuse"))] + [_cell(rows.get(Setting("kvlink", 0.0, model=variant_name(s)).name)) for s in steps]
+        cells = [_cell(rows.get("reuse"))] + [_cell(rows.get(name)) for _, name in labels]
         full = f"{rows['full']['contains']:.2f}" if "full" in rows else "—"
         lines.append(f"| {b['set']} | {b['length']} | {b['n']} | " + " | ".join(cells) + f" | {full} |")
     mean = mean_agreement(result)
@@ -112,18 +130,17 @@ def steps_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def mean_agreement(result: dict[str, Any]) -> dict[str, float]:
-    """Per column (reuse, then each step), the mean over blocks of agreement with base Full."""
-    cols = {"reuse": "reuse"} | {f"step {s}": Setting("kvlink", 0.0, model=variant_name(s)).name for s in result["steps"]}
+    """Per column (reuse, then each snapshot), the mean over blocks of agreement with base Full."""
     out = {}
-    for label, setting in cols.items():
+    for title, setting in [("reuse", "reuse")] + _labels(result):
         vals = [b["rows"][setting]["agree"] for b in result["blocks"] if setting in b["rows"]]
         if vals:
-            out[label] = sum(vals) / len(vals)
+            out[title] = sum(vals) / len(vals)
     return out
 
 
 def plot_steps(result: dict[str, Any], path: Path) -> Path | None:
-    """Agreement against steps, a line per block, plain reuse as a dotted line of the same colour."""
+    """Mean agreement with base Full over the blocks against steps, a line per run; plain reuse dotted."""
     try:
         import matplotlib
 
@@ -131,18 +148,20 @@ def plot_steps(result: dict[str, Any], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:  # plots are optional
         return None
-    steps = result["steps"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for b in result["blocks"]:
-        ys = [b["rows"].get(Setting("kvlink", 0.0, model=variant_name(s)).name, {}).get("agree") for s in steps]
-        line = ax.plot(steps, ys, marker="o", label=f"{b['set']}/{b['length']}")[0]
-        if "reuse" in b["rows"]:
-            ax.axhline(b["rows"]["reuse"]["agree"], color=line.get_color(), linestyle=":", linewidth=1)
+    mean = mean_agreement(result)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    runs: dict[str, list[tuple[int, float]]] = {}
+    for (label, step), (title, _) in zip([tuple(c) for c in result["columns"]], _labels(result)):
+        if title in mean:
+            runs.setdefault(label, []).append((step, mean[title]))
+    for label, points in runs.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    if "reuse" in mean:
+        ax.axhline(mean["reuse"], color="grey", linestyle=":", label="plain reuse")
     ax.set_xlabel("optimizer steps")
-    ax.set_ylabel("agreement with base Full")
-    ax.set_title("kvlink (distilled links) vs plain reuse (dotted)")
+    ax.set_ylabel("mean agreement with base Full")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
