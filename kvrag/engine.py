@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
 from kvrag.cache_backends import KVStore
@@ -159,18 +159,34 @@ class KVRag(KVRagCore):
 
     @property
     def default_setting(self) -> DefaultSetting:
-        """What a request that names no method gets: kvlink when the caller chose a weight-changing link
-        adapter, else this model's calibrated setting (calibrating it now if no process has; see
-        `calibrate` in `__init__`), or the fixed one with calibration off."""
-        if self._fast is not None:
+        """What a request that names no method gets: kvlink when the caller chose a link adapter that
+        encodes the chunks itself (LoRA or full weights everywhere), else this model's calibrated setting
+        (calibrating it now if no process has; see `calibrate` in `__init__`; kvlink with this engine's
+        adapter is among its candidates), or the fixed one with calibration off."""
+        if self._fast is not None and not self._fast.shares_chunks:
             return _ADAPTER_DEFAULT
-        setting = default_for(self.lm, self._calibrate)
+        setting = default_for(self.lm, self._calibrate, adapter=self.calibration_adapter)
         assert setting is not None  # waiting, it always answers
         return setting
 
     def peek_default(self) -> DefaultSetting | None:
         """`default_setting` where it is known without calibrating or waiting for one (None: not yet)."""
-        return _ADAPTER_DEFAULT if self._fast is not None else default_for(self.lm, self._calibrate, wait=False)
+        if self._fast is not None and not self._fast.shares_chunks:
+            return _ADAPTER_DEFAULT
+        return default_for(self.lm, self._calibrate, wait=False, adapter=self.calibration_adapter)
+
+    @property
+    def calibration_adapter(self) -> LinkAdapter | None:
+        """The link adapter a calibration measures kvlink with: this engine's, where it reads the base chunk KV."""
+        adapter = self._link_adapter
+        return adapter if adapter is not None and adapter.reads_base_chunks else None
+
+    def calibrate_default(self, progress: Callable[[str], None] | None = None) -> tuple[DefaultSetting, dict[str, Any]]:
+        """Measure this model's default afresh (kvlink with this engine's adapter among the candidates), keep it
+        for every process, and return it with the calibration's result."""
+        from kvrag.check.default import calibrate_model
+
+        return calibrate_model(self.lm, progress=progress, adapter=self.calibration_adapter)
 
     # -- the adapter's fast path ---------------------------------------------------------------------
     def _prefill_resolved(self, question: str | Conversation, resolved: Resolved, opts: AnswerOptions, documents: bool = True) -> Prefill:
@@ -256,6 +272,13 @@ def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layo
     adapter = spec if isinstance(spec, LinkAdapter) else load_adapter(spec)
     check_adapter(adapter, lm, layout.adapter_identities, where="link adapter" if isinstance(spec, LinkAdapter) else str(spec))
     return adapter
+
+
+def shipped_calibration_adapter(lm: LoadedModel) -> LinkAdapter | None:
+    """The adapter an engine with the default `link_adapter="auto"` and the default layout calibrates with (the
+    shipped links-kind adapter, where it reads the base chunk KV), for a calibration run without an engine."""
+    adapter = _shipped_adapter(lm, make_layout(lm.tokenizer, None), ("links",), quiet=True)
+    return adapter if adapter is not None and adapter.reads_base_chunks else None
 
 
 def _shipped_adapter(lm: LoadedModel, layout: PromptLayout, kinds: tuple[str, ...], quiet: bool = False) -> LinkAdapter | None:

@@ -122,6 +122,14 @@ class LinkAdapter:
         out.update({f"model.{k}": v for k, v in self.weights.items()})
         return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
+    def digest(self) -> str:
+        """sha256 over the mode and every tensor (link rows included): names this adapter in a calibration."""
+        h = hashlib.sha256(self.mode.encode())
+        for name, t in sorted(self.tensors().items()):
+            h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.hexdigest()[:32]
+
     def weights_digest(self) -> str:
         """sha256 over the tensors that change the model (LoRA factors, full weights); '' for links only."""
         if not self.changes_model:

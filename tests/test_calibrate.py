@@ -320,3 +320,49 @@ def test_bad_input_fails_at_once_never_after_a_calibration(runs, monkeypatch, ba
     with pytest.raises((KVRagError, ValueError)):
         rag.answer("Which word comes first?", **bad)
     assert runs == []
+
+
+# -- kvlink with the engine's link adapter ------------------------------------------------------------
+def _links(lm, seed=0):
+    from kvrag.kv.layout import make_layout
+    from kvlink_helpers import random_adapter
+
+    return random_adapter(lm, k=1, max_chunks=4, seed=seed, layout_identity=make_layout(lm.tokenizer, None).identity)
+
+
+def test_kvlink_with_the_engines_adapter_is_measured_last_and_names_its_adapter(runs, monkeypatch):
+    monkeypatch.setattr(calibrate, "CALIBRATION_MIN_SPEEDUP", 0.0)
+    lm = tiny_lm(reads_context=False)
+    adapter = _links(lm)
+    rag = KVRag(lm, store="memory://", check=False, link_adapter=adapter)
+    assert rag.calibration_adapter is adapter
+    setting = rag.default_setting
+    result = store.read_result(lm.fingerprint, "cpu")
+    methods = [r["method"] for r in result["settings"]]
+    assert "kvlink" in methods and methods[methods.index("kvlink"):] == ["kvlink"] * methods.count("kvlink")  # last
+    assert result["adapter"]["digest"] == adapter.digest() and result["adapter"]["mode"] == "links"
+    fallback = store.setting_of(result, "")
+    assert fallback.method != "kvlink"  # the best without the adapter, measured beside it
+    assert setting == store.setting_of(result, adapter.digest())
+    # an engine without this adapter never gets kvlink from this result, and does not calibrate again
+    assert KVRag(lm, store="memory://", check=False, link_adapter=None).default_setting == fallback
+    assert KVRag(lm, store="memory://", check=False, link_adapter=_links(lm, seed=1)).default_setting == fallback
+    assert len(runs) == 1
+
+
+def test_a_result_that_chose_kvlink_serves_it_only_with_that_adapter(runs):
+    lm = tiny_lm(reads_context=True)
+    adapter = _links(lm)
+    result = _fabricated("kvlink", 0.0)
+    result["settings"].append({"setting": "fusionrag@0.15", "method": "fusionrag", "ratio": 0.15, "status": "passed"})
+    result["fallback"] = {"method": "fusionrag", "ratio": 0.15, "why": "made up too"}
+    result["adapter"] = {"digest": adapter.digest(), "mode": "links"}
+    store.write_result(lm.fingerprint, "cpu", result)
+    forget_in_process()
+    assert KVRag(lm, store="memory://", check=False, link_adapter=adapter).default_setting.method == "kvlink"
+    assert KVRag(lm, store="memory://", check=False, link_adapter=None).default_setting.name == "fusionrag@0.15"
+    assert runs == []
+    for broken in ({"adapter": None}, {"fallback": {"method": "kvlink", "ratio": 0.0, "why": "x"}},
+                   {"fallback": {"method": "epic", "ratio": 0.5, "why": "never measured"}}):
+        store.write_result(lm.fingerprint, "cpu", {**result, **broken})
+        assert store.read_result(lm.fingerprint, "cpu") is None, broken  # refused: measured again

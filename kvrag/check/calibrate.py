@@ -64,14 +64,16 @@ Setting = tuple[str, float, "Ape | None"]  # method, ratio, APE (None: off)
 APE_RATIOS = (0.0, 0.15)  # APE is measured where little is recomputed: plain reuse and the smallest ratio
 
 
-def candidate_settings(ape: Ape | None = None) -> list[Setting]:
+def candidate_settings(ape: Ape | None = None, adapter: bool = False) -> list[Setting]:
     """Full Reuse, then every method at each ratio, smallest ratio first (the order larger ones are skipped
     in, and roughly fastest first); where APE's search chose an active setting, reuse and the smallest ratio
-    with it too, each right after its plain twin."""
+    with it too, each right after its plain twin. With a link adapter, kvlink last (plain, then with APE): a
+    kvlink that passes then never keeps the others from being measured, so the best setting without the
+    adapter is known too (an engine without it gets that one)."""
     out: list[Setting] = []
-    for method, ratio in [("reuse", 0.0)] + [(m, r) for r in RATIOS for m in METHODS]:
+    for method, ratio in [("reuse", 0.0)] + [(m, r) for r in RATIOS for m in METHODS] + ([("kvlink", 0.0)] if adapter else []):
         out.append((method, ratio, None))
-        if ape is not None and ape.active and ratio in APE_RATIOS:
+        if ape is not None and ape.active and (ratio in APE_RATIOS or method == "kvlink"):
             out.append((method, ratio, ape))
     return out
 
@@ -229,19 +231,21 @@ def run_calibration(
     progress: Callable[[str], None] | None = None,
     ape_search: bool = True,
     bar: bool | None = None,
+    adapter: Any = None,
 ) -> dict[str, Any]:
     """Measure every setting on the calibration set against Full Attention and choose the default; the
     result is what `calibration_store` keeps (`setting_of` reads the choice back). `budget` (the agreement
     rule's, where Full answers too few right) and `min_speedup` default to CALIBRATION_BUDGET and
     CALIBRATION_MIN_SPEEDUP. `ape_search=False` measures no APE setting. `bar`: a progress bar on stderr
-    (None: where stderr is a terminal)."""
+    (None: where stderr is a terminal). `adapter`: a link adapter that reads the base weights' chunk KV (links,
+    lora-after): kvlink with it is measured too, and the result names it."""
     from tqdm.auto import tqdm
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     budget = CALIBRATION_BUDGET if budget is None else budget
     min_speedup = CALIBRATION_MIN_SPEEDUP if min_speedup is None else min_speedup
     prompts = list(prompts or load_prompts())
-    core = KVRagCore(lm, store=_memory_store(lm), prefix_cache=PrefixCache(256 << 20))  # nothing lands in the user's store
+    core = _calibration_core(lm, adapter)  # nothing lands in the user's store
     core.precompute([c for c in {c.id: c for p in prompts for c in p.chunks}.values()], progress=False)
     t_pre = time.perf_counter()
     full = _Full(core, prompts)
@@ -259,7 +263,7 @@ def run_calibration(
     # the search's own choice; where plain reuse scored best it is T = S = 1, and no APE setting is measured
     ape = Ape(searched["temperature"], searched["scale"]) if searched else None
     t_ape = time.perf_counter()
-    todo = list(settings) if settings is not None else candidate_settings(ape)
+    todo = list(settings) if settings is not None else candidate_settings(ape, adapter is not None)
     rows: list[dict[str, Any]] = []
     skip: dict[tuple[str, Any], str] = {}  # (method, APE) -> why its larger ratios are not measured (never sooner)
     with tqdm(total=len(todo), desc="calibrating", unit="setting", disable=(None if bar is None else not bar), leave=False) as pbar:
@@ -286,9 +290,14 @@ def run_calibration(
                          f"{row['same']}/{row['asked']} same as Full, KL {row['kl']:.3f}, {row['ttft_ratio']:.1f}x Full's TTFT "
                          f"({row['status']}; setting {n + 1} of {len(todo)}{_eta(n + 1, len(todo), time.perf_counter() - t_ape)})")
     chosen = choose(rows, rule, min_speedup)
+    extra: dict[str, Any] = {}
+    if adapter is not None:  # what an engine without this adapter gets, and which adapter kvlink was measured with
+        extra["fallback"] = _chosen_record(choose([r for r in rows if r["method"] != "kvlink"], rule, min_speedup))
+        extra["adapter"] = {"digest": adapter.digest(), "mode": adapter.mode, "link_tokens": adapter.link_tokens,
+                            "objective": (adapter.meta.get("training") or {}).get("objective", "")}
     return {
-        "chosen": {"method": chosen.method, "ratio": chosen.ratio, "why": chosen.why,
-                   **({"ape": {"temperature": chosen.ape.temperature, "scale": chosen.ape.scale}} if chosen.ape else {})},
+        "chosen": _chosen_record(chosen),
+        **extra,
         "rule": {"by": "right" if rule.by_right else "agreement", "full_right": rule.full_right, "may_lose": rule.may_lose,
                  "right_needed": rule.right_needed, "budget": budget},
         "ape_search": searched,
@@ -303,6 +312,21 @@ def run_calibration(
                      "settings": round(time.perf_counter() - t_ape, 1)},
         "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _chosen_record(chosen: Any) -> dict[str, Any]:
+    return {"method": chosen.method, "ratio": chosen.ratio, "why": chosen.why,
+            **({"ape": {"temperature": chosen.ape.temperature, "scale": chosen.ape.scale}} if chosen.ape else {})}
+
+
+def _calibration_core(lm: LoadedModel, adapter: Any) -> KVRagCore:
+    """The engine a calibration measures with: its own memory store and prefix cache; with a link adapter,
+    one that serves kvlink with it (a lora-after adapter over its merged weights)."""
+    if adapter is None:
+        return KVRagCore(lm, store=_memory_store(lm), prefix_cache=PrefixCache(256 << 20))
+    from kvrag.engine import KVRag
+
+    return KVRag(lm, store=_memory_store(lm), prefix_cache=PrefixCache(256 << 20), check=False, calibrate=False, link_adapter=adapter)
 
 
 def _context_tokens(core: KVRagCore, prompts: Sequence[Prompt]) -> list[int]:

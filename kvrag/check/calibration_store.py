@@ -30,9 +30,9 @@ from kvrag.version import __version__
 log = logging.getLogger(__name__)
 
 # Bump when what calibration measures (or how it chooses) changes: results kept by an older one are re-run.
-CALIBRATION_VERSION = "2"  # 2: the rule keeps Full's right answers; APE settings among the candidates
-# The settings a calibration may choose (kvlink needs an adapter: never a calibrated default).
-CHOOSABLE = ("full", "reuse", "fusionrag", "cacheblend", "epic", "a3")
+CALIBRATION_VERSION = "3"  # 2: the rule keeps Full's right answers; APE settings among the candidates; 3: kvlink with the adapter
+# The settings a calibration may choose; kvlink only with the link adapter it was measured with (`adapter` in the result).
+CHOOSABLE = ("full", "reuse", "fusionrag", "cacheblend", "epic", "a3", "kvlink")
 SET_PATH = Path(__file__).with_name("calibration_set.json")
 
 
@@ -71,9 +71,25 @@ def _checksum(result: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(result, sort_keys=True).encode()).hexdigest()
 
 
-def setting_of(result: dict[str, Any]) -> DefaultSetting:
-    """The default a calibration result chose (ValueError where it names none a calibration may choose)."""
+def setting_of(result: dict[str, Any], adapter: str | None = None) -> DefaultSetting:
+    """The default a calibration result chose (ValueError where it names none a calibration may choose).
+
+    `adapter`: the digest of the engine's link adapter ("" for none). Where the result chose kvlink with an
+    adapter other than the engine's, the engine gets the best setting that needs no adapter (`fallback`).
+    None: as chosen (what `kvrag methods` shows for an engine with the shipped adapter)."""
     chosen = result["chosen"]
+    if chosen.get("method") == "kvlink" and adapter is not None and adapter != adapter_of(result):
+        chosen = result["fallback"]
+    return _setting(chosen)
+
+
+def adapter_of(result: dict[str, Any]) -> str:
+    """The digest of the link adapter a calibration measured kvlink with ('' where none)."""
+    record = result.get("adapter")
+    return str(record.get("digest", "")) if isinstance(record, dict) else ""
+
+
+def _setting(chosen: dict[str, Any]) -> DefaultSetting:
     method, ratio, why = chosen["method"], chosen["ratio"], chosen["why"]
     if method not in CHOOSABLE or not isinstance(why, str):
         raise ValueError(f"calibration chose an unknown setting: {method!r}")
@@ -109,8 +125,12 @@ def _valid(result: Any) -> bool:
     try:
         setting = setting_of(result)
         rows = result["settings"]
-        return (isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("setting"), str) for r in rows)
-                and _passed(result, setting))
+        ok = (isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("setting"), str) for r in rows)
+              and _passed(result, setting))
+        if setting.method == "kvlink":  # chosen with an adapter: the choice without one must be sound too, and need none
+            fallback = _setting(result["fallback"])
+            ok = ok and bool(adapter_of(result)) and fallback.method != "kvlink" and _passed(result, fallback)
+        return ok
     except (KeyError, TypeError, ValueError, AttributeError):
         return False
 

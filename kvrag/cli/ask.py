@@ -280,12 +280,10 @@ def quickstart_default(rag) -> tuple[Any, str]:
     known = rag.peek_default() if hasattr(rag, "peek_default") else rag.default_setting
     if known is not None:
         return known, ""
-    from kvrag.check.default import calibrate_model
-
     print("calibrating the default setting for this model (once per model and device; kept for every later run) ...",
           file=sys.stderr)
     t0 = time.perf_counter()
-    setting, _ = calibrate_model(rag.lm, progress=lambda line: print("  " + line, file=sys.stderr))
+    setting, _ = rag.calibrate_default(progress=lambda line: print("  " + line, file=sys.stderr))
     return setting, f" (calibrated just now in {(time.perf_counter() - t0) / 60:.1f} min)"
 
 

@@ -63,9 +63,11 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     calibration = None
     if getattr(args, "calibrate", False) and report.passed:
         from kvrag.check.default import calibrate_model
+        from kvrag.engine import shipped_calibration_adapter
 
         print("calibrating the default setting (every method and ratio beside Full Attention) ...", file=sys.stderr)
-        _, calibration = calibrate_model(lm, progress=lambda line: print("  " + line, file=sys.stderr))
+        _, calibration = calibrate_model(lm, progress=lambda line: print("  " + line, file=sys.stderr),
+                                         adapter=shipped_calibration_adapter(lm))
     if getattr(args, "json", False):
         print(json.dumps({"passed": report.passed, **report.to_dict(), **({"calibration": calibration} if calibration else {})}, indent=1))
     else:

@@ -370,10 +370,8 @@ def calibrate_visibly(rag: Any) -> None:
     device: every later page and process reads the kept result), so the picker's "default" says what it is."""
     if rag.peek_default() is not None:
         return
-    from kvrag.check.default import calibrate_model
-
     with st.status("Calibrating the default setting for this model (once; minutes on a CPU) ...", expanded=True) as box:
-        setting, _ = calibrate_model(rag.lm, progress=lambda line: box.write(line))
+        setting, _ = rag.calibrate_default(progress=lambda line: box.write(line))
         box.update(label=f"The default here: {setting.label()}", state="complete", expanded=False)
 
 

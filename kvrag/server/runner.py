@@ -43,11 +43,9 @@ def serve(settings: ServerSettings, rag=None, index=None) -> None:  # noqa: ANN0
         print(f"warmed up in {warm_up(rag):.1f} s (one tiny answer, kept nowhere)", file=sys.stderr)
         if settings.method is None:  # and the default is known: calibrated once per model, kept for every later start
             if rag.peek_default() is None:  # none kept: calibrate now, each setting's line in the start-up log
-                from kvrag.check.default import calibrate_model
-
                 print("calibrating the default setting for this model (once per model and device; minutes on a CPU) ...",
                       file=sys.stderr)
-                calibrate_model(rag.lm, progress=lambda line: print("  " + line, file=sys.stderr))
+                rag.calibrate_default(progress=lambda line: print("  " + line, file=sys.stderr))
             print(f"default for requests that name no method: {rag.default_setting.note()}", file=sys.stderr)
     app = create_app(rag, settings, index)
     print(f"kvrag serve: http://{settings.host}:{settings.port}/v1 (model {app.state.kvrag.model_name}, store {rag.store.url})", file=sys.stderr)
