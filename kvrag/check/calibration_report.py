@@ -38,4 +38,9 @@ def calibration_table(result: dict[str, Any]) -> str:
                      f"{r['ttft_ratio']:>17.2f}x  {verdict}")
     chosen = setting_of(result)
     lines.append(f"default: {chosen.name}: {chosen.why}")
+    adapter = result.get("adapter")
+    if isinstance(adapter, dict):
+        other = setting_of(result, "")
+        lines.append(f"kvlink was measured with the {adapter.get('mode', '?')} adapter {str(adapter.get('digest', ''))[:12]} "
+                     f"({adapter.get('objective') or 'objective not recorded'}); an engine without it gets {other.name}")
     return "\n".join(lines)

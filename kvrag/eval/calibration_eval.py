@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvrag.eval.report import hardware_line, load_records, summarize
+from kvrag.eval.report import hardware_line, paired_blocks, summarize
 from kvrag.eval.runner import Setting, _done, _record, hardware
 from kvrag.eval.suite import SETS
 from kvrag.kv.prefix_cache import without_prefix_cache
@@ -64,17 +64,7 @@ def answer_pairs(rag: Any, examples: Sequence[Any], folder: Path, length: int, p
 
 def collect(out: Path, sets: Sequence[str], lengths: Sequence[int]) -> dict[str, Any]:
     """The blocks answered so far under OUT, each over the questions both settings answered, judged."""
-    blocks = []
-    for name in sets:
-        for length in lengths:
-            path = out / name / f"len{length}" / "records.jsonl"
-            if not path.is_file():
-                continue
-            records = load_records(path)
-            both = {r["example"] for r in records if r["setting"] == "full"} & {r["example"] for r in records if r["setting"] == "default"}
-            keep = [r for r in records if r["example"] in both]
-            if keep:
-                blocks.append(_block(name, length, keep))
+    blocks = [_block(name, length, keep) for name, length, keep, _ in paired_blocks(out, sets, lengths, {"full", "default"})]
     total_full = sum(b["full_contains"] * b["n"] for b in blocks)
     total_default = sum(b["default_contains"] * b["n"] for b in blocks)
     n = sum(b["n"] for b in blocks)

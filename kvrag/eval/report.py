@@ -7,7 +7,7 @@ import random
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from kvrag.eval.metrics import f1
 
@@ -33,6 +33,28 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+def paired_blocks(out: Path, sets: Sequence[str], lengths: Sequence[int],
+                  settings: set[str] | None = None) -> Iterator[tuple[str, int, list[dict[str, Any]], int]]:
+    """Each block answered so far under OUT (OUT/set/lenN/records.jsonl) as (set, length, records, n): the records
+    of the n questions every setting answered (`settings`, else every setting the block holds), so rows stay paired."""
+    for name in sets:
+        for length in lengths:
+            path = Path(out) / name / f"len{length}" / "records.jsonl"
+            if not path.is_file():
+                continue
+            records = load_records(path)
+            if settings is not None:
+                records = [r for r in records if r["setting"] in settings]
+            want = settings if settings is not None else {r["setting"] for r in records}
+            answered: dict[str, set[str]] = {}
+            for r in records:
+                answered.setdefault(r["example"], set()).add(r["setting"])
+            done = {ex for ex, got in answered.items() if got >= want}
+            keep = [r for r in records if r["example"] in done]
+            if keep:
+                yield name, length, keep, len(done)
 
 
 def merge_records(sources: list[Path], dest: Path) -> tuple[Path, int]:

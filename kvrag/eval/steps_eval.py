@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvrag.eval.report import hardware_line, load_records, summarize
+from kvrag.eval.report import hardware_line, paired_blocks, summarize
 from kvrag.eval.runner import Setting, hardware, run
 from kvrag.eval.suite import SETS
 
@@ -75,22 +75,9 @@ def set_examples(sets: Sequence[str], data: Path, n: int | None) -> dict[str, li
 def collect(out: Path, sets: Sequence[str], lengths: Sequence[int], columns: Sequence[Column]) -> dict[str, Any]:
     """The blocks answered so far, each over the questions every setting answered (paired rows)."""
     names = {st.name for st in steps_settings(columns)}
-    blocks = []
-    for name in sets:
-        for length in lengths:
-            path = out / name / f"len{length}" / "records.jsonl"
-            if not path.is_file():
-                continue
-            records = [r for r in load_records(path) if r["setting"] in names]
-            per_example: dict[str, set[str]] = {}
-            for r in records:
-                per_example.setdefault(r["example"], set()).add(r["setting"])
-            done = {ex for ex, got in per_example.items() if got == names}
-            keep = [r for r in records if r["example"] in done]
-            if keep:
-                rows = {r["setting"]: r for r in summarize(keep)}
-                kind = SETS[name].kind if name in SETS else name
-                blocks.append({"set": name, "kind": kind, "length": length, "n": len(done), "rows": rows})
+    blocks = [{"set": name, "kind": SETS[name].kind if name in SETS else name, "length": length, "n": n,
+               "rows": {r["setting"]: r for r in summarize(keep)}}
+              for name, length, keep, n in paired_blocks(out, sets, lengths, names)]
     return {"columns": [list(c) for c in columns], "blocks": blocks}
 
 

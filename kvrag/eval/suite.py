@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from kvrag.eval import synthetic
 from kvrag.eval.data import Example, example_from_row, load_examples, sample_examples
-from kvrag.eval.report import load_records, summarize
+from kvrag.eval.report import load_records, paired_blocks, summarize
 from kvrag.eval.runner import Setting, hardware, run
 from kvrag.options import DEFAULT_METHOD, DEFAULT_RATIO, TUNED_METHOD
 
@@ -104,21 +104,8 @@ def run_suite(rag: Any, variants: dict[str, Any], sets: Sequence[str], lengths: 
 def collect(out: Path, sets: Sequence[str], lengths: Sequence[int]) -> dict[str, Any]:
     """The blocks already answered under OUT (no model): a checkpoint's table, or a report after a run.
     A block is summarised over the questions every setting has answered, so rows stay paired."""
-    results: dict[str, Any] = {}
-    for name in sets:
-        for length in lengths:
-            path = out / name / f"len{length}" / "records.jsonl"
-            if not path.is_file():
-                continue
-            records = load_records(path)
-            settings = {r["setting"] for r in records}
-            done = [ex for ex in dict.fromkeys(r["example"] for r in records)
-                    if {r["setting"] for r in records if r["example"] == ex} == settings]
-            keep = [r for r in records if r["example"] in set(done)]
-            if keep:
-                results[f"{name}/{length}"] = {"set": name, "kind": SETS[name].kind, "length": length, "n": len(done),
-                                               "rows": summarize(keep)}
-    return results
+    return {f"{name}/{length}": {"set": name, "kind": SETS[name].kind, "length": length, "n": n, "rows": summarize(keep)}
+            for name, length, keep, n in paired_blocks(out, sets, lengths)}
 
 
 def _row(block: dict[str, Any], setting: str) -> dict[str, Any] | None:
