@@ -366,3 +366,11 @@ def test_a_result_that_chose_kvlink_serves_it_only_with_that_adapter(runs):
                    {"fallback": {"method": "epic", "ratio": 0.5, "why": "never measured"}}):
         store.write_result(lm.fingerprint, "cpu", {**result, **broken})
         assert store.read_result(lm.fingerprint, "cpu") is None, broken  # refused: measured again
+
+
+def test_kvlink_is_a_candidate_only_with_an_adapter_and_never_with_ape():
+    ape = Ape(0.9, 1.0)
+    assert all(m != "kvlink" for m, _, _ in calibrate.candidate_settings(ape))
+    with_adapter = calibrate.candidate_settings(ape, adapter=True)
+    assert with_adapter[-1] == ("kvlink", 0.0, None) and [m for m, _, _ in with_adapter].count("kvlink") == 1
+    assert with_adapter[:-1] == calibrate.candidate_settings(ape)

@@ -67,13 +67,14 @@ APE_RATIOS = (0.0, 0.15)  # APE is measured where little is recomputed: plain re
 def candidate_settings(ape: Ape | None = None, adapter: bool = False) -> list[Setting]:
     """Full Reuse, then every method at each ratio, smallest ratio first (the order larger ones are skipped
     in, and roughly fastest first); where APE's search chose an active setting, reuse and the smallest ratio
-    with it too, each right after its plain twin. With a link adapter, kvlink last (plain, then with APE): a
-    kvlink that passes then never keeps the others from being measured, so the best setting without the
-    adapter is known too (an engine without it gets that one)."""
+    with it too, each right after its plain twin. With a link adapter, kvlink last: a kvlink that passes then
+    never keeps the others from being measured, so the best setting without the adapter is known too (an
+    engine without it gets that one). Not kvlink with APE: its decode steps would count the link slots as
+    context, which its question's pass does not (kvrag.fuse.stitch.pass_ape)."""
     out: list[Setting] = []
     for method, ratio in [("reuse", 0.0)] + [(m, r) for r in RATIOS for m in METHODS] + ([("kvlink", 0.0)] if adapter else []):
         out.append((method, ratio, None))
-        if ape is not None and ape.active and (ratio in APE_RATIOS or method == "kvlink"):
+        if ape is not None and ape.active and ratio in APE_RATIOS and method != "kvlink":
             out.append((method, ratio, ape))
     return out
 
