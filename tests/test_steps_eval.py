@@ -11,6 +11,8 @@ from kvrag.link_adapter import save_adapter
 from kvrag.types import Chunk
 from kvlink_helpers import make_rag, random_adapter
 
+R = "reuse[records_whole=False,short_context=0]"  # the read-whole policies off: every context is reused
+K = "kvlink@0[records_whole=False,short_context=0]{{{}}}"
 EXAMPLES = [
     Example(f"ex{i}", f"What does document {i} say?", [f"fact {i}"],
             [Chunk(f"c{i}-{j}", f"Document {i}.{j} states fact {i * 10 + j} about topic {j}.") for j in range(3)])
@@ -40,11 +42,11 @@ def test_each_snapshot_is_judged_against_the_same_full_answers(tmp_path):
     out = tmp_path / "out"
     result = run_steps(rag, snaps, {"tiny": EXAMPLES}, [3], out, progress=False)
     (block,) = result["blocks"]
-    assert block["n"] == 2 and {"full", "reuse", "kvlink@0{run:0}", "kvlink@0{run:5}", "kvlink@0{run:10}"} <= set(block["rows"])
+    assert block["n"] == 2 and {"full", R, K.format("run:0"), K.format("run:5"), K.format("run:10")} <= set(block["rows"])
     records = [json.loads(line) for line in (out / "tiny" / "len3" / "records.jsonl").read_text().splitlines()]
     texts = {(r["example"], r["setting"]): r["answer"] for r in records}
     for ex in EXAMPLES:  # the same adapter gives the same answer, whichever step it was saved at
-        assert texts[(ex.id, "kvlink@0{run:0}")] == texts[(ex.id, "kvlink@0{run:10}")]
+        assert texts[(ex.id, K.format("run:0"))] == texts[(ex.id, K.format("run:10"))]
     assert block["rows"]["full"]["agree"] == 1.0
     # resumable: a second run adds no record, and the report reads back what is there
     run_steps(rag, snaps, {"tiny": EXAMPLES}, [3], out, progress=False)
@@ -67,7 +69,7 @@ def _record(example, setting, method):
 def test_the_report_of_a_block_keeps_only_questions_every_setting_answered(tmp_path):
     folder = tmp_path / "s" / "len16"
     folder.mkdir(parents=True)
-    rows = [_record("a", st, m) for st, m in (("full", "full"), ("reuse", "reuse"), ("kvlink@0{a:0}", "kvlink"), ("kvlink@0{b:0}", "kvlink"))]
+    rows = [_record("a", st, m) for st, m in (("full", "full"), (R, "reuse"), (K.format("a:0"), "kvlink"), (K.format("b:0"), "kvlink"))]
     rows.append(_record("b", "full", "full"))  # b was not answered by every setting: left out, rows stay paired
     (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = collect(tmp_path, ["s"], [16], [("a", 0), ("b", 0)])
