@@ -16,25 +16,25 @@ from kvrag.cache_backends import KVStore
 from kvrag.check.default import default_for
 from kvrag.check.gate import gate
 from kvrag.chat import Conversation
+from kvrag.adapter_path import ADAPTER_DEFAULT as _ADAPTER_DEFAULT, AdapterPath
 from kvrag.core import KVRagCore
 from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.decode.lean import use_decode_weights
 from kvrag.kv.layout import PromptLayout, make_layout
 from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
-from kvrag.defaults import DEFAULT_RATIO, SHIPPED_SPECS, DefaultSetting, names_no_adapter
+from kvrag.defaults import SHIPPED_SPECS, DefaultSetting, names_no_adapter
 from kvrag.errors import AdapterMismatchError
 from kvrag.link_adapter import LinkAdapter, apply_adapter, check_adapter, load_adapter, shipped_adapter_paths
 from kvrag.model.loading import LoadedModel, load_model
 from kvrag.kv.kinds import CHUNK_KINDS, KIND_CHUNK, KIND_PREFIX, KIND_SIMILARITY
 from kvrag.options import TUNED_METHOD, AnswerOptions
-from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
+from kvrag.pipeline import AnswerStream, Prefill
 from kvrag.kv.repository import Resolved
 from kvrag.kv.repository import PrecomputeReport
 from kvrag.types import Chunk
 
 log = logging.getLogger(__name__)
 
-_ADAPTER_DEFAULT = DefaultSetting(TUNED_METHOD, DEFAULT_RATIO, "adapter", "a weight-changing link adapter was asked for")
 
 __all__ = [
     "CHUNK_KINDS",
@@ -107,9 +107,9 @@ class KVRag(KVRagCore):
         self._calibrate = calibrate
         self.check_report = gate(lm) if check else None
         super().__init__(lm, store=store, layout=layout, batch_size=batch_size, prefix_cache=prefix_cache)
-        self._fast: _AdapterPath | None = None
+        self._fast: AdapterPath | None = None
         if adapter is not None and adapter.changes_model:
-            self._fast = _AdapterPath(apply_adapter(lm, adapter), self, adapter)
+            self._fast = AdapterPath(apply_adapter(lm, adapter), self, adapter)
         if decode_weights is not None:
             for model in [lm.model] + ([self._fast.lm.model] if self._fast is not None else []):
                 use_decode_weights(model, decode_weights)
@@ -154,7 +154,7 @@ class KVRag(KVRagCore):
         other = KVRag.__new__(KVRag)
         other._link_adapter, other.check_report, other._calibrate = self._link_adapter, self.check_report, self._calibrate
         KVRagCore.__init__(other, self.lm, store=store, layout=self.layout, batch_size=self.batch_size, prefix_cache=self.prefix_cache)
-        other._fast = None if self._fast is None else _AdapterPath(self._fast.lm, other, self._link_adapter)
+        other._fast = None if self._fast is None else AdapterPath(self._fast.lm, other, self._link_adapter)
         return other
 
     @property
@@ -231,36 +231,6 @@ class KVRag(KVRagCore):
         if self._fast is not None and not self._fast.shares_chunks:  # before the base forgets them: the registry is shared
             deleted += self._fast.repo.forget(self._fast.repo.resolve(texts))
         return deleted + super().forget(chunks)
-
-
-class _AdapterPath(KVRagCore):
-    """kvlink's fast path over merged weights: the base engine's store, layout and chunk registry, and
-    its own chunk KV (keys from the merged fingerprint), or, for a LoRA trained only at the positions
-    after the chunks (mode lora-after), the base engine's chunk KV read by the merged weights."""
-
-    def __init__(self, lm: LoadedModel, base: KVRagCore, adapter: LinkAdapter) -> None:
-        super().__init__(lm, store=base.store, layout=base.layout, batch_size=base.batch_size)
-        self.repo.chunks = base.repo.chunks  # one registry: ids registered through either path resolve in both
-        self._adapter = adapter
-        self.shares_chunks = adapter.reads_base_chunks
-        if self.shares_chunks:  # the base weights encode (and key) the chunks; the merged ones read the prompt and decode
-            self.repo = base.repo
-            self.pipeline = RequestPipeline(base.repo, self.rotary, lambda: self.link_adapter, self.prefix_cache, lm=lm)
-
-    @property
-    def link_adapter(self) -> LinkAdapter:
-        return self._adapter
-
-    @property
-    def default_setting(self) -> DefaultSetting:
-        return _ADAPTER_DEFAULT
-
-    def rekey(self, resolved: Resolved) -> Resolved:
-        """The base path's resolved chunks (ids looked up there, token ids known) keyed for these weights."""
-        if self.shares_chunks:
-            return resolved
-        return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.chunk_key(ids, resolved.salt) for ids in resolved.token_ids],
-                        whole=resolved.whole, salt=resolved.salt)
 
 
 def _choose_adapter(spec: str | Path | LinkAdapter | None, lm: LoadedModel, layout: PromptLayout) -> LinkAdapter | None:

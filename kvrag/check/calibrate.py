@@ -246,7 +246,8 @@ def run_calibration(
     budget = CALIBRATION_BUDGET if budget is None else budget
     min_speedup = CALIBRATION_MIN_SPEEDUP if min_speedup is None else min_speedup
     prompts = list(prompts or load_prompts())
-    core = _calibration_core(lm, adapter)  # nothing lands in the user's store
+    core = KVRagCore(lm, store=_memory_store(lm), prefix_cache=PrefixCache(256 << 20))  # nothing lands in the user's store
+    linked = _adapter_core(lm, core, adapter)  # kvlink's rows only: the adapter over the same store and registry
     core.precompute([c for c in {c.id: c for p in prompts for c in p.chunks}.values()], progress=False)
     t_pre = time.perf_counter()
     full = _Full(core, prompts)
@@ -278,7 +279,8 @@ def run_calibration(
                 pbar.update()
                 continue
             beaten = max((r["ttft_ratio"] for r in rows if r.get("status") == "passed"), default=0.0)
-            row = _measure(core, full, prompts, (method, ratio, ape_s), rule, min_speedup, beaten)
+            measuring = linked if method == "kvlink" and linked is not None else core
+            row = _measure(measuring, full, prompts, (method, ratio, ape_s), rule, min_speedup, beaten)
             rows.append(row)
             pbar.update()
             if row["status"] in ("passed", "slower"):
@@ -320,14 +322,15 @@ def _chosen_record(chosen: Any) -> dict[str, Any]:
             **({"ape": {"temperature": chosen.ape.temperature, "scale": chosen.ape.scale}} if chosen.ape else {})}
 
 
-def _calibration_core(lm: LoadedModel, adapter: Any) -> KVRagCore:
-    """The engine a calibration measures with: its own memory store and prefix cache; with a link adapter,
-    one that serves kvlink with it (a lora-after adapter over its merged weights)."""
+def _adapter_core(lm: LoadedModel, core: KVRagCore, adapter: Any) -> KVRagCore | None:
+    """What measures kvlink with a link adapter that reads the base chunk KV: the base core's store and chunk
+    registry, the adapter's link rows, and, for a lora-after adapter, its merged weights after the chunks."""
     if adapter is None:
-        return KVRagCore(lm, store=_memory_store(lm), prefix_cache=PrefixCache(256 << 20))
-    from kvrag.engine import KVRag
+        return None
+    from kvrag.adapter_path import AdapterPath
+    from kvrag.link_adapter import apply_adapter
 
-    return KVRag(lm, store=_memory_store(lm), prefix_cache=PrefixCache(256 << 20), check=False, calibrate=False, link_adapter=adapter)
+    return AdapterPath(apply_adapter(lm, adapter), core, adapter)
 
 
 def _context_tokens(core: KVRagCore, prompts: Sequence[Prompt]) -> list[int]:
