@@ -16,8 +16,8 @@ from kvrag.kv.layout import PromptLayout, make_layout
 from kvrag.kv.layout_options import LayoutOptions  # noqa: F401 (the layout parameter's type)
 from kvrag.model.loading import LoadedModel, kvrag_home
 from kvrag.kv.kinds import KIND_CHUNK
-from kvrag.defaults import FIXED_DEFAULT, DefaultSetting
-from kvrag.options import AnswerOptions
+from kvrag.defaults import DEFAULT_RATIO, FIXED_DEFAULT, DefaultSetting
+from kvrag.options import TUNED_METHOD, AnswerOptions
 from kvrag.pipeline import AnswerStream, Prefill, RequestPipeline
 from kvrag.kv.precompute import KVComputer
 from kvrag.model.cache import LayerStack
@@ -30,6 +30,7 @@ from kvrag.model.rope import Rotary
 from kvrag.fuse.stitch import Stitched
 from kvrag.kv.layout import Segments
 from kvrag.types import Answer, Chunk
+from kvrag.link_adapter import LinkAdapter
 
 log = logging.getLogger(__name__)
 
@@ -325,3 +326,38 @@ class KVRagCore:
     @property
     def home(self) -> Path:
         return kvrag_home()
+
+
+# -- kvlink's fast path over a link adapter's merged weights, beside a base engine (KVRag routes kvlink to it;
+# calibration measures kvlink with it without an engine) ----------------------------------------------
+ADAPTER_DEFAULT = DefaultSetting(TUNED_METHOD, DEFAULT_RATIO, "adapter", "a weight-changing link adapter was asked for")
+
+
+class AdapterPath(KVRagCore):
+    """kvlink's fast path over merged weights: the base engine's store, layout and chunk registry, and
+    its own chunk KV (keys from the merged fingerprint), or, for a LoRA trained only at the positions
+    after the chunks (mode lora-after), the base engine's chunk KV read by the merged weights."""
+
+    def __init__(self, lm: LoadedModel, base: KVRagCore, adapter: LinkAdapter) -> None:
+        super().__init__(lm, store=base.store, layout=base.layout, batch_size=base.batch_size)
+        self.repo.chunks = base.repo.chunks  # one registry: ids registered through either path resolve in both
+        self._adapter = adapter
+        self.shares_chunks = adapter.reads_base_chunks
+        if self.shares_chunks:  # the base weights encode (and key) the chunks; the merged ones read the prompt and decode
+            self.repo = base.repo
+            self.pipeline = RequestPipeline(base.repo, self.rotary, lambda: self.link_adapter, self.prefix_cache, lm=lm)
+
+    @property
+    def link_adapter(self) -> LinkAdapter:
+        return self._adapter
+
+    @property
+    def default_setting(self) -> DefaultSetting:
+        return ADAPTER_DEFAULT
+
+    def rekey(self, resolved: Resolved) -> Resolved:
+        """The base path's resolved chunks (ids looked up there, token ids known) keyed for these weights."""
+        if self.shares_chunks:
+            return resolved
+        return Resolved(chunks=resolved.chunks, token_ids=resolved.token_ids, keys=[self.repo.chunk_key(ids, resolved.salt) for ids in resolved.token_ids],
+                        whole=resolved.whole, salt=resolved.salt)

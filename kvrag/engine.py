@@ -16,8 +16,7 @@ from kvrag.cache_backends import KVStore
 from kvrag.check.default import default_for
 from kvrag.check.gate import gate
 from kvrag.chat import Conversation
-from kvrag.adapter_path import ADAPTER_DEFAULT as _ADAPTER_DEFAULT, AdapterPath
-from kvrag.core import KVRagCore
+from kvrag.core import ADAPTER_DEFAULT as _ADAPTER_DEFAULT, AdapterPath, KVRagCore
 from kvrag.kv.prefix_cache import PrefixCache
 from kvrag.decode.lean import use_decode_weights
 from kvrag.kv.layout import PromptLayout, make_layout
@@ -163,7 +162,7 @@ class KVRag(KVRagCore):
         encodes the chunks itself (LoRA or full weights everywhere), else this model's calibrated setting
         (calibrating it now if no process has; see `calibrate` in `__init__`; kvlink with this engine's
         adapter is among its candidates), or the fixed one with calibration off."""
-        if self._fast is not None and not self._fast.shares_chunks:
+        if self._asked_for_adapter:
             return _ADAPTER_DEFAULT
         setting = default_for(self.lm, self._calibrate, adapter=self.calibration_adapter)
         assert setting is not None  # waiting, it always answers
@@ -171,9 +170,14 @@ class KVRag(KVRagCore):
 
     def peek_default(self) -> DefaultSetting | None:
         """`default_setting` where it is known without calibrating or waiting for one (None: not yet)."""
-        if self._fast is not None and not self._fast.shares_chunks:
+        if self._asked_for_adapter:
             return _ADAPTER_DEFAULT
         return default_for(self.lm, self._calibrate, wait=False, adapter=self.calibration_adapter)
+
+    @property
+    def _asked_for_adapter(self) -> bool:
+        """An adapter that encodes the chunks itself was asked for: kvlink is then the default, uncalibrated."""
+        return self._fast is not None and not self._fast.shares_chunks
 
     @property
     def calibration_adapter(self) -> LinkAdapter | None:

@@ -123,12 +123,18 @@ class LinkAdapter:
         return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
     def digest(self) -> str:
-        """sha256 over the mode and every tensor (link rows included): names this adapter in a calibration."""
+        """sha256 over the mode and every tensor (link rows included): names this adapter in a calibration.
+        Computed once (an adapter's tensors are not changed after loading): every request that names no
+        method asks for it."""
+        memo = self.__dict__.get("_digest")
+        if memo is not None:
+            return memo
         h = hashlib.sha256(self.mode.encode())
         for name, t in sorted(self.tensors().items()):
             h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return h.hexdigest()[:32]
+        self.__dict__["_digest"] = h.hexdigest()[:32]
+        return self.__dict__["_digest"]
 
     def weights_digest(self) -> str:
         """sha256 over the tensors that change the model (LoRA factors, full weights); '' for links only."""

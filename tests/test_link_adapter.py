@@ -8,7 +8,7 @@ import torch
 
 
 from kvrag import KVRag, from_model
-from kvrag.adapter_path import AdapterPath as _AdapterPath
+from kvrag.core import AdapterPath as _AdapterPath
 from kvrag.options import DEFAULT_METHOD, AnswerOptions
 from kvrag.errors import AdapterMismatchError
 from kvrag.kv.layout import LAYOUT_VERSION

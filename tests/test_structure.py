@@ -208,7 +208,7 @@ ROOMS = [
     ("kv", ["kvrag.kv"]),
     ("fuse", ["kvrag.fuse", "kvrag.link_adapter"]),
     ("select and decode", ["kvrag.methods", "kvrag.decode"]),
-    ("request", ["kvrag.options", "kvrag.pipeline", "kvrag.core", "kvrag.adapter_path"]),
+    ("request", ["kvrag.options", "kvrag.pipeline", "kvrag.core"]),
     ("gate", ["kvrag.check"]),
     ("engine", ["kvrag.engine", "kvrag.client"]),
     ("tools", ["kvrag.eval", "kvrag.training"]),

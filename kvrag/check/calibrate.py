@@ -327,7 +327,7 @@ def _adapter_core(lm: LoadedModel, core: KVRagCore, adapter: Any) -> KVRagCore |
     registry, the adapter's link rows, and, for a lora-after adapter, its merged weights after the chunks."""
     if adapter is None:
         return None
-    from kvrag.adapter_path import AdapterPath
+    from kvrag.core import AdapterPath
     from kvrag.link_adapter import apply_adapter
 
     return AdapterPath(apply_adapter(lm, adapter), core, adapter)
