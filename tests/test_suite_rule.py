@@ -58,3 +58,48 @@ def test_settings_pivot_and_collect(tmp_path):
     (tmp_path / "facts" / "len16" / "records.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     got = collect(tmp_path, ["facts", "nq10"], [16, 64])
     assert list(got) == ["facts/16"] and got["facts/16"]["n"] == 1  # "b" lacks reuse: left out, rows stay paired
+
+
+def test_the_new_settings_each_with_the_policies_on_and_off_and_skip_never_drops_full():
+    from kvrag.eval.suite import RAW
+
+    names = [s.name for s in suite_settings(with_tuned=True)]
+    raw = "min_recompute=0,records_whole=False,short_context=0"
+    for name in (f"reuse[{raw}]", f"reuse[ape=0.9,1,{raw}]", f"fusionrag@0.15[ape=0.9,1,{raw}]", f"kvlink@0[{raw}]{{tuned}}"):
+        assert name in names, name
+    assert len(names) == len(set(names))
+    kept = suite_settings(with_tuned=False, skip=("cacheblend", "a3", "samkv", "full"))
+    assert [s.method for s in kept].count("full") == 1 and not {"cacheblend", "a3", "samkv", "kvlink"} & {s.method for s in kept}
+    assert all(dict(s.params).get("short_context") == 0 for s in kept if RAW[0] in s.params)
+
+
+def test_the_models_calibrated_default_is_a_column_and_is_the_one_marked():
+    from kvrag.defaults import Ape, DefaultSetting
+    from kvrag.eval.suite import default_column, fidelity_markdown
+
+    assert default_column(DefaultSetting("fusionrag", 0.15, "calibrated", ape=Ape(0.9, 1.0))) == "fusionrag@0.15[ape=0.9,1]"
+    assert default_column(DefaultSetting("reuse", 0.15, "calibrated", ape=Ape(1.0, 1.0))) == "reuse"  # T = S = 1 is no APE
+    assert default_column(DefaultSetting("kvlink", 0.0, "calibrated")) == TUNED
+    other = default_column(DefaultSetting("a3", 0.5, "calibrated", ape=Ape(0.8, 1.1)))
+    assert other == "a3@0.5[ape=0.8,1.1]"
+    names = [s.name for s in suite_settings(with_tuned=False, default=other)]
+    assert names[-1] == other and names.count(other) == 1  # not among the suite's own: added once
+    assert [s.name for s in suite_settings(with_tuned=False, default="fusionrag@0.15[ape=0.9,1]")].count("fusionrag@0.15[ape=0.9,1]") == 1
+    block = rows(fr=(0.25, 0.3))
+    block["fusionrag@0.15[ape=0.9,1]"] = (0.75, 0.6)
+    res = results(("nq10", block, {"fusionrag@0.15[ape=0.9,1]": 2.5}))
+    table = pivot_markdown(res, "fusionrag@0.15[ape=0.9,1]")
+    assert "**0.750** (agr 0.60, 2.5×)" in table and "**0.250**" not in table
+    for b in res.values():  # the fidelity table reads KL too
+        for r in b["rows"]:
+            r["kl"] = 0.125
+    fid = fidelity_markdown(res)
+    assert "0.60 · 0.125 · 2.5×" in fid and "`full`" not in fid
+
+
+def test_an_unknown_method_to_skip_is_refused_before_any_model_loads(tmp_path, capsys):
+    from kvrag.cli import main
+
+    rc = main(["eval", "suite", "--skip", "cacheblend,nosuch", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "absent")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "nosuch" in err and "cacheblend" not in err.split("unknown methods")[1].split(";")[0]

@@ -79,6 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--layouts", default=None, help="eval layout: the candidate layouts to answer with (default: every one; v1 always)")
     ev.add_argument("--conversations", type=int, default=None, help="eval layout: the first N two-turn conversations (default: all)")
     ev.add_argument("--n", type=int, default=None, help="questions per set (default: each set's own size)")
+    ev.add_argument("--skip", default="", help="eval suite: methods to leave out, comma-separated (e.g. cacheblend,a3,samkv; never full)")
     ev.add_argument("--tuned", default="shipped", help="the reuse-tuned adapter to judge: shipped (the packaged one), a file, or none")
     ev.add_argument("--model", default=os.environ.get("KVRAG_MODEL"), help=MODEL_HELP)
     ev.add_argument("--store", default=None, help="KV store URL (default: disk under OUT/kv, removed when the run completes)")

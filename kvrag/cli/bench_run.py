@@ -218,7 +218,7 @@ def cmd_bench_deviation(args: argparse.Namespace) -> int:
 def cmd_eval_suite(args: argparse.Namespace) -> int:
     """`kvrag eval suite`: every set at every length over the base weights (and the tuned adapter's
     kvlink), the rule applied; see kvrag.eval.suite."""
-    from kvrag.eval.suite import SETS, TUNED, collect, run_suite, write_suite
+    from kvrag.eval.suite import SETS, TUNED, collect, default_column, run_suite, suite_settings, write_suite
     from kvrag.link_adapter import SHIPPED_ADAPTERS, SHIPPED_DIR
 
     sets = [s for s in args.sets.split(",") if s]
@@ -226,14 +226,19 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
     if unknown:
         raise KVRagError(f"unknown sets {unknown}; known: {', '.join(SETS)}")
     lengths = [int(x) for x in args.lengths.split(",") if x]
+    skip = [m for m in (args.skip or "").split(",") if m]
+    methods = {s.method for s in suite_settings(with_tuned=True)} - {"full"}
+    if set(skip) - methods:
+        raise KVRagError(f"--skip: unknown methods {sorted(set(skip) - methods)}; the suite's: {', '.join(sorted(methods))}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "sets": sets, "lengths": lengths}
+    meta = {"command": "kvrag " + " ".join(args.argv), "hardware": hardware(), "sets": sets, "lengths": lengths, "skip": skip}
     if args.report_only:  # what is answered so far: no model, no new answers
         results = collect(out, sets, lengths)
         complete = all(results.get(f"{s}/{n}", {}).get("n", 0) >= (args.n or SETS[s].n) for s in sets for n in lengths)
         earlier = _earlier_meta(out)  # the model and adapter the answering runs recorded
-        meta.update(partial=not complete, model=args.model or earlier.get("model", ""), tuned=earlier.get("tuned", args.tuned))
+        meta.update(partial=not complete, model=args.model or earlier.get("model", ""), tuned=earlier.get("tuned", args.tuned),
+                    default_name=earlier.get("default_name", ""), default_column=earlier.get("default_column", ""))
         verdict = write_suite(results, out, meta)
         print((out / "suite.md").read_text())
         return 0
@@ -253,8 +258,10 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
             print(f"not judging the shipped tuned adapter: {exc}", file=sys.stderr)  # trained for another layout
             tuned = "none"
     sizes = {s: args.n for s in sets} if args.n else None
-    results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes)
-    meta.update(model=rag.lm.source, tuned=tuned)
+    known = rag.peek_default()  # the model's calibrated default, where it is known (never a calibration here)
+    column = default_column(known) if known is not None and known.source == "calibrated" else ""
+    results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes, skip=skip, default=column)
+    meta.update(model=rag.lm.source, tuned=tuned, default_name=known.name if column else "", default_column=column)
     verdict = write_suite(results, out, meta)
     drop_default_store(args, out)
     print((out / "suite.md").read_text())

@@ -72,23 +72,58 @@ RAW = (("min_recompute", 0), ("records_whole", False), ("short_context", 0))  # 
 SUITE_APE = "0.9,1"
 
 
-def suite_settings(with_tuned: bool) -> list[Setting]:
-    """Base Full and reuse, every training-free method at the default ratio (the short-context policy on, as
-    shipped), reuse and fusionrag with APE, the default method with the policy off (the raw figure), and the
-    tuned adapter's kvlink."""
+def suite_settings(with_tuned: bool, skip: Sequence[str] = (), default: str = "") -> list[Setting]:
+    """Base Full and reuse, every training-free method at the default ratio (the read-whole policies on, as
+    shipped), reuse and fusionrag with APE, then reuse and the default method with and without APE with the
+    policies off (what each does alone: the policies read short contexts whole, so there they equal Full), and the
+    tuned adapter's kvlink both ways. `skip`: methods left out (never Full); `default`: the name of the model's
+    calibrated default as a suite setting (`default_column`), added when no other setting is it."""
+    ape = (("ape", SUITE_APE),)
     out = [Setting("full"), Setting("reuse")]
     out += [Setting(m, DEFAULT_RATIO) for m in TRAINING_FREE]
-    out += [Setting("reuse", 0.0, params=(("ape", SUITE_APE),)), Setting("fusionrag", DEFAULT_RATIO, params=(("ape", SUITE_APE),))]
-    out.append(Setting(DEFAULT_METHOD, DEFAULT_RATIO, params=RAW))
+    out += [Setting("reuse", 0.0, params=ape), Setting("fusionrag", DEFAULT_RATIO, params=ape)]
+    out += [Setting("reuse", 0.0, params=RAW), Setting("reuse", 0.0, params=ape + RAW),
+            Setting(DEFAULT_METHOD, DEFAULT_RATIO, params=RAW), Setting(DEFAULT_METHOD, DEFAULT_RATIO, params=ape + RAW)]
     if with_tuned:
-        out.append(Setting(TUNED_METHOD, 0.0, model=TUNED))
+        out += [Setting(TUNED_METHOD, 0.0, model=TUNED), Setting(TUNED_METHOD, 0.0, params=RAW, model=TUNED)]
+    out = [s for s in out if s.method == "full" or s.method not in skip]
+    if default and default not in {s.name for s in out}:
+        parsed = _setting_named(default)
+        if parsed is not None:
+            out.append(parsed)
     return out
 
 
+def default_column(default: Any) -> str:
+    """The suite setting a DefaultSetting is (the column the tables mark as the model's default): its method
+    and ratio with the read-whole policies on, as requests that name no method get it, APE as a parameter."""
+    if default.method == TUNED_METHOD:
+        return Setting(TUNED_METHOD, 0.0, model=TUNED).name
+    ape = default.ape
+    params = (("ape", f"{ape.temperature:g},{ape.scale:g}"),) if ape is not None and ape.active else ()
+    return Setting(default.method, default.ratio, params=params).name
+
+
+def _setting_named(name: str) -> Setting | None:
+    """The Setting `default_column` named (method, ratio and APE only), or None for a form it never writes."""
+    head, _, rest = name.partition("[")
+    method, _, ratio = head.partition("@")
+    params = ()
+    if rest:
+        key, _, value = rest.rstrip("]").partition("=")
+        if key != "ape":
+            return None
+        params = (("ape", value),)
+    try:
+        return Setting(method, float(ratio) if ratio else 0.0, params=params)
+    except ValueError:
+        return None
+
+
 def run_suite(rag: Any, variants: dict[str, Any], sets: Sequence[str], lengths: Sequence[int], out: Path, data: Path,
-              sizes: dict[str, int] | None = None, progress: bool = True) -> dict[str, Any]:
+              sizes: dict[str, int] | None = None, progress: bool = True, skip: Sequence[str] = (), default: str = "") -> dict[str, Any]:
     """Answer every set at every length (resumable: records per set and length under OUT), then summarise."""
-    settings = suite_settings(TUNED in variants)
+    settings = suite_settings(TUNED in variants, skip, default)
     results: dict[str, Any] = {}
     for name in sets:
         spec = SETS[name]
@@ -174,14 +209,20 @@ def suite_markdown(results: dict[str, Any], verdict: dict[str, Any], meta: dict[
         f"hardware: {meta.get('hardware_line', '')}; model: {meta.get('model', '')}; greedy; r = {DEFAULT_RATIO}; "
         "\"contained\" = the normalised gold answer appears in the answer; agreement and KL are against base Full "
         "Attention over the same prompt in the same run; TTFT is the median per-question ratio base Full ÷ setting.", "",
-        f"**Default chosen by the rule: `{verdict['default']}`** (tuned adapter passes: {verdict['tuned_passes']}).", "",
+        _default_line(meta),
+        f"The suite's own rule (training-free methods at r = {DEFAULT_RATIO:g}, policies on, and the tuned adapter) picks "
+        f"`{verdict['default']}` (tuned adapter passes: {verdict['tuned_passes']}).", "",
     ]
     if meta.get("partial"):
         lines[-2:-2] = ["**Partial**: the sets and lengths answered so far (each block over the questions every setting "
                         "answered); `kvrag eval suite --out DIR` again completes it.", ""]
     lines += [f"- {r}" for r in verdict["tuned_fails"]] + ([""] if verdict["tuned_fails"] else [])
+    column = meta.get("default_column") or Setting(DEFAULT_METHOD, DEFAULT_RATIO).name
     lines += ["Answer-contained per set (the default in bold, with its agreement with base Full and TTFT ratio):", "",
-              pivot_markdown(results), "Every column:", ""]
+              pivot_markdown(results, column),
+              "Agreement with base Full's answer · first-token KL · TTFT ratio Full ÷ setting, per set (\"[...,min_recompute=0,"
+              "records_whole=False,short_context=0]\": the read-whole policies off, every context reused):", "",
+              fidelity_markdown(results), "Every column:", ""]
     lines += ["| set | tokens | n | setting | contained | F1 | agreement w/ base Full | first-token KL | recomputed | TTFT Full ÷ setting |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for block in results.values():
@@ -202,14 +243,35 @@ def _in_order(names: set[str]) -> list[str]:
     return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
 
-def pivot_markdown(results: dict[str, Any]) -> str:
+def _default_line(meta: dict[str, Any]) -> str:
+    name, column = meta.get("default_name"), meta.get("default_column")
+    if not name:
+        return "The model's default was not calibrated when this ran (`kvrag check-model --calibrate`), so no column is marked as it."
+    return f"**The model's default: `{name}`** (column `{column}`, in bold below), as its calibration chose it."
+
+
+def fidelity_markdown(results: dict[str, Any]) -> str:
+    """One line per set and length: each setting's agreement with base Full, first-token KL and TTFT ratio."""
+    blocks = list(results.values())
+    names = [n for n in _in_order({r["setting"] for b in blocks for r in b["rows"]}) if n != "full"]
+    if not names:
+        return ""
+    head = "| set | tokens | n | " + " | ".join(f"`{n}`" for n in names) + " |\n|---|---|---|" + "---|" * len(names) + "\n"
+    lines = []
+    for b in blocks:
+        cells = [(f"{r['agree']:.2f} · {r['kl']:.3f} · {r['ttft_ratio']:.1f}×" if (r := _row(b, n)) else "–") for n in names]
+        lines.append(f"| {b['set']} | {b['length']} | {b['n']} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def pivot_markdown(results: dict[str, Any], default: str = "") -> str:
     """One line per set and length: answer-contained of each setting (agreement with base Full and the
     TTFT ratio beside the default's), the compact view the README shows."""
     blocks = list(results.values())
     if not blocks:
         return ""
     names = _in_order({r["setting"] for b in blocks for r in b["rows"]})
-    default = Setting(DEFAULT_METHOD, DEFAULT_RATIO).name
+    default = default or Setting(DEFAULT_METHOD, DEFAULT_RATIO).name
     head = "| set | tokens | n | " + " | ".join(f"`{n}`" for n in names) + " |\n|---|---|---|" + "---|" * len(names) + "\n"
     lines = []
     for b in blocks:
