@@ -241,6 +241,22 @@ def test_variants_are_scored_against_the_base_models_full_attention(tmp_path):
     assert "agreement w/ own Full" in table and "| full{other} |" in table
 
 
+def test_no_engine_answers_from_its_prefix_cache_inside_a_run(tmp_path):
+    """The same documents asked twice (a set's phrasings, or the next answer length) must be read again by every
+    engine, the variants' too: a prefix-cache hit would time an exact copy, not the method."""
+    base = tiny_rag()
+    same = KVRag(from_model(base.lm.model, base.lm.tokenizer), store="memory://")
+    twice = [Example(f"{ex.id}-{n}", ex.question + " " * n, ex.answers, ex.chunks) for ex in EXAMPLES[:2] for n in range(2)]
+    settings = make_settings(["full:model=same", "kvlink:link_tokens=0,model=same"], [0.0])
+    for engine in (base, same):
+        engine.prefix_cache.clear()
+    run(base, twice, settings, tmp_path, max_new_tokens=3, progress=False, variants={"same": same})
+    for engine in (base, same):
+        stats = engine.prefix_cache.snapshot()
+        assert stats.lookups == 0 and stats.stored == 0 and stats.hits == 0
+        assert engine.prefix_cache.enabled  # and on again afterwards
+
+
 def test_row_ranges_and_merging_split_runs(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     rows = [{"id": f"r{i}", "question": f"q{i}?", "answers": [f"a{i}"], "ctxs": [{"title": "t", "text": f"text {i}"}]} for i in range(5)]

@@ -8,6 +8,7 @@ interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 from dataclasses import dataclass
@@ -202,6 +203,15 @@ def run(
     missing = sorted({st.model for st in settings if st.model and st.model not in variants})
     if missing:
         raise ValueError(f"settings name model variants that were not given: {', '.join(missing)}")
+    with contextlib.ExitStack() as paused:  # every engine's prefix cache, as the decorator pauses rag's: no answer is read from another
+        for engine in variants.values():
+            if getattr(engine, "prefix_cache", None) is not None:
+                paused.enter_context(engine.prefix_cache.paused())
+        return _run(rag, examples, settings, out_dir, max_new_tokens, progress, similarity_top_n, variants)
+
+
+def _run(rag: KVRag, examples: Iterable[Example], settings: Sequence[Setting], out_dir: str | Path, max_new_tokens: int, progress: bool,
+         similarity_top_n: int, variants: dict[str, KVRag]) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = out / "records.jsonl"
