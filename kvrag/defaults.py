@@ -161,11 +161,20 @@ MAX_DRAFT_TOKENS = 8
 # the `link_adapter=` / `--link-adapter` words that name shipped adapters (kvrag.fuse.links)
 SHIPPED_SPECS = ("auto", "links", "tuned")
 DEFAULT_MAX_CHUNKS = 10  # chunk indices with their own link rows (KVLink's reference code: 10)
-# what KVLink training changes: link rows; + LoRA; + LoRA applied only after the cached chunks (the chunks' KV stays the
-# base weights', one store for every method); + every weight
-LINK_MODES = ("links", "lora", "lora-after", "full")
+# what KVLink training changes: link rows; trailer rows (link slots that see only the prefix and their own chunk, as
+# KV Packet's trailer vectors do); + LoRA; + LoRA applied only after the cached chunks (the chunks' KV stays the base
+# weights', one store for every method); + every weight
+LINK_MODES = ("links", "trailers", "lora", "lora-after", "full")
 LORA_MODES = ("lora", "lora-after")
-BASE_CHUNK_MODES = ("links", "lora-after")  # the adapter reads the base weights' chunk KV
+BASE_CHUNK_MODES = ("links", "trailers", "lora-after")  # the adapter reads the base weights' chunk KV
+WEIGHTS_KEPT_MODES = ("links", "trailers")  # only link rows are trained: the model's weights stay as they are
+CHUNK_SCOPED_MODES = ("trailers",)  # each chunk's link slots see the prefix and their own chunk only
+
+
+def link_scope(mode: str | None) -> str:
+    """What an adapter's link slots attend to: "chunk" (trailers: the prefix and their own chunk) or "global" (KVLink's
+    links: every earlier position). None (no adapter) is "global"."""
+    return "chunk" if mode in CHUNK_SCOPED_MODES else "global"
 OBJECTIVES = ("gold", "distill")  # KVLink training's loss: gold answers, or distillation from base Full Attention
 
 

@@ -27,7 +27,7 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run folder: checkpoint/, loss.png, adapter.safetensors")
     p.add_argument("--adapter-out", default=None, help="where to write the adapter (default OUT/adapter.safetensors)")
     p.add_argument("--model", default=None, help="HF id, folder or .gguf (default: the bundled SmolLM2)")
-    p.add_argument("--mode", choices=MODES, default=d.mode, help="links: link embeddings only (base weights); lora: plus LoRA; lora-after: plus LoRA at the positions after the cached chunks only (their KV stays the base weights', read from the store); full: every weight")
+    p.add_argument("--mode", choices=MODES, default=d.mode, help="links: link embeddings only (base weights); trailers: link embeddings whose slots see only their own chunk and the system prefix (KV Packet's trailer vectors); lora: plus LoRA; lora-after: plus LoRA at the positions after the cached chunks only (their KV stays the base weights', read from the store); full: every weight")
     p.add_argument("--link-tokens", type=int, default=d.link_tokens, help="K link tokens per chunk (default %(default)s)")
     p.add_argument("--max-chunks", type=int, default=d.max_chunks, help="chunk indices with their own link rows (default %(default)s)")
     p.add_argument("--min-chunks", type=int, default=None,
@@ -73,6 +73,9 @@ def add_train_links_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="distill: weight of the cross-entropy of the teacher's tokens added to the KL (default %(default)s)")
     p.add_argument("--continue-share", type=float, default=d.continue_share,
                    help="distill: share of examples that continue a row's text instead of answering its question (default %(default)s)")
+    p.add_argument("--turn-share", type=float, default=d.turn_share,
+                   help="distill: share of examples that are two-turn conversations over the row's passages (its question and "
+                        "answer, then a follow-up the teacher answers; default %(default)s)")
     p.add_argument("--teacher-cache", action="store_true",
                    help="distill: also keep the teacher's targets in OUT/teacher/ (~6 MB an example at full vocabulary)")
     p.add_argument("--teacher-only", action="store_true",
@@ -126,6 +129,7 @@ def cmd_train_links(args: argparse.Namespace) -> int:
         teacher_topk=args.teacher_topk,
         ce_weight=args.ce_weight,
         continue_share=args.continue_share,
+        turn_share=args.turn_share,
         teacher_cache=args.teacher_cache,
         teacher_only=args.teacher_only,
         teacher_batch=args.teacher_batch,

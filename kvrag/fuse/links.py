@@ -6,7 +6,10 @@ cached chunk. One picture says who attends to whom, in training and at inference
 - prefix tokens: causal among themselves;
 - chunk-n tokens: the system prefix and the earlier tokens of chunk n (what precompute computed);
 - link tokens of chunk n, the question and everything after it: every earlier position (earlier
-  chunks, earlier link tokens, their own chunk), i.e. causal by position.
+  chunks, earlier link tokens, their own chunk), i.e. causal by position;
+- except trailers (`Segments.link_scope == "chunk"`, KV Packet's trailer vectors without its header): chunk
+  n's link tokens see the system prefix, chunk n and their own earlier link tokens, nothing of the other
+  chunks, so what they hold depends on their chunk alone.
 
 `link_picture` draws it for any query and key positions. Training (`kvrag.train`) uses it for the
 whole sequence; inference uses it for the rows of the one recompute pass (`kvrag.fuse.stitch.recompute`):
@@ -45,11 +48,13 @@ GLOBAL_OWNER = -2  # link tokens, the question, the answer: causal over everythi
 
 # -- the picture --------------------------------------------------------------------------------
 def owners(segments: Segments, positions: torch.Tensor) -> torch.Tensor:
-    """Who each position belongs to: chunk index n >= 0, PREFIX_OWNER, or GLOBAL_OWNER (links, question, later)."""
+    """Who each position belongs to: chunk index n >= 0 (its tokens, and its trailers' slots), PREFIX_OWNER, or
+    GLOBAL_OWNER (links, question, later)."""
     table = torch.full((segments.context_len,), GLOBAL_OWNER, dtype=torch.long)
     table[: len(segments.prefix)] = PREFIX_OWNER
+    scoped = segments.links if segments.link_scope == "chunk" else 0  # trailers belong to their chunk
     for n, (start, chunk) in enumerate(zip(segments.chunk_starts, segments.chunks)):
-        table[start : start + len(chunk)] = n
+        table[start : start + len(chunk) + scoped] = n
     pos = positions.to(torch.long)
     inside = (pos >= 0) & (pos < segments.context_len)
     table = table.to(pos.device)

@@ -39,13 +39,20 @@ class Segments:
 
     `links` (KVLink): that many link-token slots follow every chunk, so chunk n starts after the
     previous chunks and their links. Link slots carry no token id of their own (`LINK_PLACEHOLDER`
-    in `all_ids`); their inputs are the link adapter's embedding rows.
+    in `all_ids`); their inputs are the link adapter's embedding rows. `link_scope`: what the link slots
+    attend to, "global" (KVLink: every earlier position) or "chunk" (trailers: the prefix and their own
+    chunk; kvrag.fuse.links.owners).
     """
 
     prefix: list[int]
     chunks: list[list[int]]
     question: list[int]
     links: int = 0
+    link_scope: str = "global"
+
+    def __post_init__(self) -> None:
+        if self.link_scope not in ("global", "chunk"):
+            raise ValueError(f"link_scope must be 'global' or 'chunk', got {self.link_scope!r}")
 
     @property
     def chunk_starts(self) -> list[int]:
@@ -216,15 +223,15 @@ class PromptLayout:
         """Everything after the chunks of a one-question prompt: the question, in its template, and the template's text around it."""
         return self._tail_ids([p.replace(_Q, question) for p in self._single])
 
-    def segments(self, chunk_ids: Sequence[list[int]], question: str, links: int = 0) -> Segments:
-        """The prompt's segments; `links` KVLink link slots after every chunk (never part of a cache key)."""
-        return Segments(
-            prefix=list(self.prefix_ids), chunks=[list(c) for c in chunk_ids], question=self.question_ids(question), links=int(links)
-        )
+    def segments(self, chunk_ids: Sequence[list[int]], question: str, links: int = 0, link_scope: str = "global") -> Segments:
+        """The prompt's segments; `links` KVLink link slots after every chunk (never part of a cache key), attending
+        as `link_scope` says."""
+        return Segments(prefix=list(self.prefix_ids), chunks=[list(c) for c in chunk_ids], question=self.question_ids(question),
+                        links=int(links), link_scope=link_scope)
 
     # -- conversations ---------------------------------------------------------------------
     def conversation_segments(
-        self, chunk_ids: Sequence[list[int]], conv: Conversation, links: int = 0, documents: bool = True
+        self, chunk_ids: Sequence[list[int]], conv: Conversation, links: int = 0, documents: bool = True, link_scope: str = "global"
     ) -> Segments:
         """The segments of a conversation: the chat template over the layout's messages (`conversation_messages`):
         everything before the chunks is the prefix (read exactly, computed once per distinct prefix),
@@ -235,14 +242,14 @@ class PromptLayout:
         no engine instruction and no question template, as the model reads them anywhere else.
         """
         if documents and conv.is_single:
-            return self.segments(chunk_ids, conv.question, links)
+            return self.segments(chunk_ids, conv.question, links, link_scope)
         prefix_text, pieces = self._render(conv, documents)
         following = self._chunk_head if chunk_ids else (pieces[0] if pieces else "")
         prefix_ids = self._prefix_ids(prefix_text, following)
         tail = self._tail_ids(pieces)
         if not prefix_ids:  # a template that renders nothing before the first message: its first token leads
             prefix_ids, tail = tail[:1], tail[1:]
-        return Segments(prefix=prefix_ids, chunks=[list(c) for c in chunk_ids], question=tail, links=int(links))
+        return Segments(prefix=prefix_ids, chunks=[list(c) for c in chunk_ids], question=tail, links=int(links), link_scope=link_scope)
 
     def conversation_messages(self, chunks: Sequence[Chunk], conv: Conversation, documents: bool = True) -> list[dict[str, str]]:
         """The conversation as chat-template messages with the chunk texts inline: what Full

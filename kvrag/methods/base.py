@@ -75,6 +75,7 @@ class LinkSlots:
 
     per_chunk: int = 0
     embeds: torch.Tensor | None = None  # [n_chunks * K, hidden]
+    scope: str = "global"  # what the slots attend to (Segments.link_scope): "chunk" for trailers
 
 
 @dataclass

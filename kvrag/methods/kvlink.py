@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrag.defaults import link_scope
 from kvrag.link_adapter import resolve_link_rows
 from kvrag.methods.base import LinkSlots, Method, PrepareContext, SelectContext, Selection
 from kvrag.methods.registry import get_method
@@ -33,8 +34,9 @@ class KVLink(Method):
         self.probed_layers_only = self.inner.probed_layers_only  # type: ignore[misc]  # as its rule reads
 
     def prepare(self, ctx: PrepareContext) -> LinkSlots:
-        k, embeds = resolve_link_rows(ctx.lm, ctx.link_adapter(), self.link_tokens, ctx.n_chunks, ctx.default_links)
-        return LinkSlots(k, embeds)
+        adapter = ctx.link_adapter()
+        k, embeds = resolve_link_rows(ctx.lm, adapter, self.link_tokens, ctx.n_chunks, ctx.default_links)
+        return LinkSlots(k, embeds, link_scope(adapter.mode if adapter is not None else None))
 
     def keep(self, ctx: SelectContext) -> Selection | None:
         return self.inner.keep(ctx)

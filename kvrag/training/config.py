@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrag.defaults import DEFAULT_MAX_CHUNKS, LINK_MODES as MODES
+from kvrag.defaults import DEFAULT_MAX_CHUNKS, LINK_MODES as MODES, WEIGHTS_KEPT_MODES
 
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 from kvrag.defaults import OBJECTIVES  # noqa: E402,F401
@@ -58,6 +58,7 @@ class TrainConfig:
     teacher_topk: int = 0  # distill: keep the teacher's top-k log-probs (+ the rest's mass); 0: the full vocabulary
     ce_weight: float = 0.0  # distill: + this times the cross-entropy of the teacher's tokens
     continue_share: float = 0.5  # distill: share of examples that continue a row's text instead of answering its question
+    turn_share: float = 0.0  # distill: share of examples that are two-turn conversations over the row's passages
     teacher_cache: bool = False  # distill: also keep teacher targets in OUT/teacher/ (safetensors; ~6 MB an example at full vocabulary)
     teacher_only: bool = False  # distill: only compute the schedule's teacher targets into OUT/teacher (implies teacher_cache)
     teacher_batch: int = 32  # distill, teacher_only: prompts per batched teacher generation
@@ -69,12 +70,14 @@ class TrainConfig:
             raise ValueError("link_tokens >= 0, max_chunks >= 1, batch_size >= 1 and grad_accum >= 1 are required")
         if self.min_chunks is not None and not 1 <= self.min_chunks <= self.max_chunks:
             raise ValueError(f"min_chunks must be from 1 to max_chunks ({self.max_chunks}), got {self.min_chunks}")
-        if self.mode == "links" and self.link_tokens == 0:
-            raise ValueError("mode 'links' with 0 link tokens has nothing to train")
+        if self.mode in WEIGHTS_KEPT_MODES and self.link_tokens == 0:
+            raise ValueError(f"mode {self.mode!r} with 0 link tokens has nothing to train")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.teacher_tokens < 1 or self.teacher_topk < 0 or self.ce_weight < 0 or not 0 <= self.continue_share <= 1:
             raise ValueError("teacher_tokens >= 1, teacher_topk >= 0, ce_weight >= 0 and 0 <= continue_share <= 1 are required")
+        if not 0 <= self.turn_share <= 1 - self.continue_share:
+            raise ValueError(f"turn_share must be from 0 to 1 - continue_share ({1 - self.continue_share:g}), got {self.turn_share}")
         if (self.stop_at is not None and self.stop_at < 0) or self.teacher_batch < 1:
             raise ValueError("stop_at >= 0 and teacher_batch >= 1 are required")
         if self.teacher_only:
@@ -91,5 +94,7 @@ class TrainConfig:
             key["min_chunks"] = self.min_chunks
         if self.objective != "gold":  # likewise: gold runs resume as they always did
             key.update({k: getattr(self, k) for k in DISTILL_KEYS})
+            if self.turn_share:  # only when set: distill runs from before the option resume unchanged
+                key["turn_share"] = self.turn_share
         return key
 

@@ -8,10 +8,11 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from kvrag.chat import Conversation
 from kvrag.eval.data import parse_range
 from kvrag.kv.layout import PromptLayout, Segments
 from kvrag.fuse.links import link_picture
@@ -123,24 +124,40 @@ def qa_chunks(row: dict, rng: random.Random, max_chunks: int, min_chunks: int | 
 
 def build_example(
     layout: PromptLayout, row: dict, rng: random.Random, link_tokens: int, max_chunks: int, max_tokens: int,
-    min_chunks: int | None = None,
+    min_chunks: int | None = None, link_scope: str = "global",
 ) -> Example:
     """One training prompt from a row. With `min_chunks`, the example keeps a random number of passages
     from min_chunks to max_chunks (the gold one among them), so the model also sees prompts with few
     chunks, as a RAG app with a small top-k sends; None keeps up to max_chunks (and draws nothing)."""
     chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
     ans = answer_ids(layout, str((row.get("answers") or [""])[0]))
-    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), ans, link_tokens, max_tokens, len(ans))
+    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), ans, link_tokens, max_tokens, len(ans),
+                       link_scope=link_scope)
 
 
 def fit_example(
     layout: PromptLayout, chunks: list[Chunk], gold: int | None, question: list[int], answer: list[int], link_tokens: int,
-    max_tokens: int, reserve: int, kind: str = "qa",
+    max_tokens: int, reserve: int, kind: str = "qa", link_scope: str = "global",
 ) -> Example:
     """The example of these chunks, with trailing non-gold chunks dropped until the prompt plus
     `reserve` answer tokens fits `max_tokens` (one chunk is always kept)."""
+    return _fit(lambda cs: Segments(list(layout.prefix_ids), [layout.chunk_ids(c) for c in cs], question, links=link_tokens,
+                                    link_scope=link_scope), chunks, gold, answer, max_tokens, reserve, kind)
+
+
+def fit_conversation(
+    layout: PromptLayout, chunks: list[Chunk], gold: int | None, conv: Conversation, link_tokens: int, max_tokens: int, reserve: int,
+    link_scope: str = "global",
+) -> Example:
+    """`fit_example` for a conversation: its segments as the engine lays out a chat over these chunks."""
+    return _fit(lambda cs: layout.conversation_segments([layout.chunk_ids(c) for c in cs], conv, links=link_tokens, link_scope=link_scope),
+                chunks, gold, [], max_tokens, reserve, "turn2")
+
+
+def _fit(build: Callable[[list[Chunk]], Segments], chunks: list[Chunk], gold: int | None, answer: list[int], max_tokens: int,
+         reserve: int, kind: str) -> Example:
     while True:
-        seg = Segments(list(layout.prefix_ids), [layout.chunk_ids(c) for c in chunks], question, links=link_tokens)
+        seg = build(chunks)
         if seg.total_len + reserve <= max_tokens or len(chunks) <= 1:
             return Example(seg, answer, gold, chunks, kind)
         drop = max(i for i in range(len(chunks)) if i != gold)  # the last non-gold passage
@@ -157,15 +174,31 @@ CONTINUE_INSTRUCTION = "Continue the text."
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def example_kind(seed: int, epoch: int, row_index: int, continue_share: float, row: dict | None = None) -> str:
+# The follow-ups of a "turn2" example: label-free second questions about the same passages (the teacher
+# answers them; no row holds an answer to them)
+FOLLOW_UPS = (
+    "Which document says so?",
+    "Can you say that in one sentence?",
+    "What else do the documents say about it?",
+    "Are you sure? Check the documents again.",
+    "Why?",
+)
+
+
+def example_kind(seed: int, epoch: int, row_index: int, continue_share: float, row: dict | None = None, turn_share: float = 0.0) -> str:
     """The kind of the example of row `row_index` in `epoch`: "continue" for about `continue_share`
-    of them, else "qa"; a pure function of the seed (a resumed run sees the same kinds). A row
-    without a question is always "continue"."""
+    of them, "turn2" (a two-turn conversation) for about `turn_share`, else "qa"; a pure function of the
+    seed (a resumed run sees the same kinds; with turn_share 0 the kinds of earlier runs). A row without
+    a question is always "continue"; one without an answer is never "turn2"."""
     if row is not None and not str(row.get("question") or "").strip():
         return "continue"
-    if continue_share <= 0:
+    if continue_share <= 0 and turn_share <= 0:
         return "qa"
-    return "continue" if random.Random(f"{seed}:{epoch}:{row_index}:kind").random() < continue_share else "qa"
+    draw = random.Random(f"{seed}:{epoch}:{row_index}:kind").random()
+    if draw < continue_share:
+        return "continue"
+    has_answer = row is None or any(str(a).strip() for a in (row.get("answers") or []))
+    return "turn2" if draw < continue_share + turn_share and has_answer else "qa"
 
 
 def split_sentences(text: str, pieces: int) -> list[str]:
@@ -208,19 +241,28 @@ def continue_chunks(row: dict, rng: random.Random, max_chunks: int) -> list[Chun
 
 def build_distill_example(
     layout: PromptLayout, row: dict, rng: random.Random, kind: str, link_tokens: int, max_chunks: int, max_tokens: int,
-    reserve: int, min_chunks: int | None = None,
+    reserve: int, min_chunks: int | None = None, link_scope: str = "global",
 ) -> Example:
     """An example of objective distill, its answer still empty (the teacher's continuation goes
     there): "qa" lays out the row's passages and question as `build_example` does (the same
-    draws), "continue" the row's passage text with `CONTINUE_INSTRUCTION`. The row's answers are
-    never read; `reserve` (the teacher's token budget) stands in for the answer's length."""
+    draws), "continue" the row's passage text with `CONTINUE_INSTRUCTION`, "turn2" the qa example's passages
+    and question with the row's first answer as the assistant's reply, then a follow-up (`FOLLOW_UPS`) the
+    teacher answers. Only "turn2" reads a row's answer, as a turn of the conversation, never as a target;
+    `reserve` (the teacher's token budget) stands in for the answer's length."""
+    if kind == "turn2":
+        chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
+        first = str(next(a for a in row.get("answers") or [] if str(a).strip())).strip()
+        conv = Conversation(turns=(("user", str(row["question"])), ("assistant", first), ("user", rng.choice(FOLLOW_UPS))))
+        return fit_conversation(layout, chunks, gold, conv, link_tokens, max_tokens, reserve, link_scope)
     if kind == "continue":
         chunks = continue_chunks(row, rng, max_chunks)
-        return fit_example(layout, chunks, None, layout.question_ids(CONTINUE_INSTRUCTION), [], link_tokens, max_tokens, reserve, kind)
+        return fit_example(layout, chunks, None, layout.question_ids(CONTINUE_INSTRUCTION), [], link_tokens, max_tokens, reserve, kind,
+                           link_scope)
     if kind != "qa":
-        raise ValueError(f"example kind must be 'qa' or 'continue', got {kind!r}")
+        raise ValueError(f"example kind must be 'qa', 'continue' or 'turn2', got {kind!r}")
     chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
-    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), [], link_tokens, max_tokens, reserve)
+    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), [], link_tokens, max_tokens, reserve,
+                       link_scope=link_scope)
 
 
 def training_mask(segments: Segments, length: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvrag.defaults import link_scope
 from kvrag.model.cache import cache_arg, empty_cache
 from kvrag.kv.layout import PromptLayout, Segments
 from kvrag.training.config import TrainConfig
@@ -46,10 +47,11 @@ MEMORY_ENTRIES = 64  # teacher targets kept in memory (full-vocabulary targets a
 def distill_example(layout: PromptLayout, row: dict, cfg: TrainConfig, epoch: int, row_index: int) -> Example:
     """The distill example of row `row_index` in `epoch`: its kind and layout are a pure function of
     (seed, epoch, row), as the gold objective's examples are; its answer is filled in by the teacher."""
-    kind = example_kind(cfg.seed, epoch, row_index, cfg.continue_share, row)
+    kind = example_kind(cfg.seed, epoch, row_index, cfg.continue_share, row, cfg.turn_share)
     rng = random.Random(f"{cfg.seed}:{epoch}:{row_index}")
     return build_distill_example(
-        layout, row, rng, kind, cfg.link_tokens, cfg.max_chunks, cfg.max_tokens, cfg.teacher_tokens, cfg.min_chunks
+        layout, row, rng, kind, cfg.link_tokens, cfg.max_chunks, cfg.max_tokens, cfg.teacher_tokens, cfg.min_chunks,
+        link_scope(cfg.mode),
     )
 
 

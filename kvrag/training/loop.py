@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from kvrag.decode.stream import eos_ids
-from kvrag.defaults import BASE_CHUNK_MODES
+from kvrag.defaults import BASE_CHUNK_MODES, WEIGHTS_KEPT_MODES, link_scope
 from kvrag.engine import KVRag
 from kvrag.kv.layout import PromptLayout
 from kvrag.fuse.links import default_link_embeds
@@ -190,7 +190,7 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
         if cfg.mode == "full" and cfg.objective == "distill":  # lm.model stays the base weights: the teacher
             model = copy.deepcopy(model)
     else:  # never modify the caller's model
-        model = lm.model if cfg.mode == "links" else copy.deepcopy(lm.model)
+        model = lm.model if cfg.mode in WEIGHTS_KEPT_MODES else copy.deepcopy(lm.model)
     layout = PromptLayout(lm.tokenizer, **({"system_prompt": cfg.system_prompt} if cfg.system_prompt else {}))
     header = adapter_header(lm, cfg.link_tokens, cfg.mode, layout.identity, data=provenance or [{"source": "in-memory rows", "count": len(rows)}])
     device = lm.device
@@ -277,7 +277,7 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
                 examples = [
                     build_example(
                         layout, rows[i], random.Random(f"{cfg.seed}:{e}:{i}"), cfg.link_tokens, cfg.max_chunks, cfg.max_tokens,
-                        cfg.min_chunks,
+                        cfg.min_chunks, link_scope(cfg.mode),
                     )
                     for e, i in picks
                 ]
@@ -294,8 +294,8 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
     bar.close()
     checkpoint()
     seconds = elapsed_before + time.perf_counter() - t_start
-    unused = () if cfg.objective == "distill" else ("teacher_tokens", "teacher_topk", "ce_weight", "continue_share", "teacher_cache",
-                                                   "teacher_only", "teacher_batch")
+    unused = () if cfg.objective == "distill" else ("teacher_tokens", "teacher_topk", "ce_weight", "continue_share", "turn_share",
+                                                   "teacher_cache", "teacher_only", "teacher_batch")
     header["training"] = {
         **{k: v for k, v in asdict(cfg).items() if k not in ("out", "progress", "resume", "adapter_out", "store", "stop_at") + unused},
         "steps": step,
