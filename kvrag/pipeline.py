@@ -117,8 +117,7 @@ class RequestPipeline:
             links = LinkSlots()
         else:
             links = meth.prepare(PrepareContext(self.lm, len(resolved.token_ids), self._link_adapter, self._default_links))
-        segments = self.repo.layout.conversation_segments(resolved.token_ids, conv, links=links.per_chunk, documents=documents,
-                                                          link_scope=links.scope)
+        segments = self.repo.layout.conversation_segments(resolved.token_ids, conv, links=links.layout, documents=documents)
         reserve = opts.decode.max_new_tokens + 1
         self.check_length(segments)
         stats.prompt_tokens = segments.total_len

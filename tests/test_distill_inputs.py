@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from kvrag.kv.layout import Links
 from kvrag.training.data import load_rows
 from kvrag.training.distill import Teacher, TeacherTargets
 from tiny import tiny_model
@@ -70,7 +71,7 @@ def test_two_turn_examples_are_conversations_the_teacher_reads_as_the_chat_templ
     tok = tiny_tokenizer()
     layout = PromptLayout(tok)
     i = after.index("turn2")
-    ex = build_distill_example(layout, rows[i], random.Random(f"0:0:{i}"), "turn2", 2, 4, 2048, 8, link_scope="chunk")
+    ex = build_distill_example(layout, rows[i], random.Random(f"0:0:{i}"), "turn2", Links(2, "chunk"), 4, 2048, 8)
     qa = build_distill_example(layout, rows[i], random.Random(f"0:0:{i}"), "qa", 2, 4, 2048, 8)
     assert ex.kind == "turn2" and ex.answer == [] and [c.text for c in ex.chunks] == [c.text for c in qa.chunks]  # the qa draws
     assert ex.segments.links == 2 and ex.segments.link_scope == "chunk"

@@ -41,6 +41,14 @@ def test_the_training_free_default_keeps_up_on_most_sets_and_is_fast_enough():
     assert decide(slow)["speed_on_long_sets"]["cacheblend@0.15"] == 3.5
 
 
+def test_a_method_the_suite_skipped_is_never_the_pick():
+    only_fr = {k: v for k, v in rows(t=(0.1, 0)).items() if k in ("fusionrag@0.15", TUNED)}
+    slow = results(("nq10", only_fr, {"fusionrag@0.15": 3.9}))  # below the speed floor, yet the only one answered
+    verdict = decide(slow)
+    assert verdict["default"] == "fusionrag@0.15" and verdict["speed_on_long_sets"]["cacheblend@0.15"] is None
+    assert decide(results(("nq10", {TUNED: (0.1, 0.0)}, {})))["default"] == "full"  # nothing training-free answered
+
+
 def test_settings_pivot_and_collect(tmp_path):
     names = [s.name for s in suite_settings(with_tuned=True)]
     assert names[:2] == ["full", "reuse"] and TUNED in names and f"{DEFAULT_METHOD}@0.15[min_recompute=0,records_whole=False,short_context=0]" in names
@@ -75,16 +83,20 @@ def test_the_new_settings_each_with_the_policies_on_and_off_and_skip_never_drops
 
 def test_the_models_calibrated_default_is_a_column_and_is_the_one_marked():
     from kvrag.defaults import Ape, DefaultSetting
-    from kvrag.eval.suite import default_column, fidelity_markdown
+    from kvrag.eval.suite import default_setting, fidelity_markdown
+
+    def default_column(d):
+        return default_setting(d).name
 
     assert default_column(DefaultSetting("fusionrag", 0.15, "calibrated", ape=Ape(0.9, 1.0))) == "fusionrag@0.15[ape=0.9,1]"
     assert default_column(DefaultSetting("reuse", 0.15, "calibrated", ape=Ape(1.0, 1.0))) == "reuse"  # T = S = 1 is no APE
     assert default_column(DefaultSetting("kvlink", 0.0, "calibrated")) == TUNED
     other = default_column(DefaultSetting("a3", 0.5, "calibrated", ape=Ape(0.8, 1.1)))
     assert other == "a3@0.5[ape=0.8,1.1]"
-    names = [s.name for s in suite_settings(with_tuned=False, default=other)]
+    names = [s.name for s in suite_settings(with_tuned=False, default=default_setting(DefaultSetting("a3", 0.5, "calibrated", ape=Ape(0.8, 1.1))))]
     assert names[-1] == other and names.count(other) == 1  # not among the suite's own: added once
-    assert [s.name for s in suite_settings(with_tuned=False, default="fusionrag@0.15[ape=0.9,1]")].count("fusionrag@0.15[ape=0.9,1]") == 1
+    ours = default_setting(DefaultSetting("fusionrag", 0.15, "calibrated", ape=Ape(0.9, 1.0)))
+    assert [s.name for s in suite_settings(with_tuned=False, default=ours)].count("fusionrag@0.15[ape=0.9,1]") == 1
     block = rows(fr=(0.25, 0.3))
     block["fusionrag@0.15[ape=0.9,1]"] = (0.75, 0.6)
     res = results(("nq10", block, {"fusionrag@0.15[ape=0.9,1]": 2.5}))

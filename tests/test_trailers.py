@@ -12,7 +12,7 @@ import torch
 from kvrag import Chunk, KVRag
 from kvrag.defaults import BASE_CHUNK_MODES, link_scope
 from kvrag.fuse.links import link_picture, owners
-from kvrag.kv.layout import Segments
+from kvrag.kv.layout import Links, Segments
 from kvrag.link_adapter import load_adapter, read_adapter_header, save_adapter
 from kvrag.training.config import TrainConfig
 from kvrag.training.loop import train
@@ -51,6 +51,20 @@ def test_the_picture_keeps_each_chunks_trailers_to_their_own_chunk():
 def test_modes_say_their_scope():
     assert link_scope("trailers") == "chunk" and link_scope("links") == "global" and link_scope(None) == "global"
     assert "trailers" in BASE_CHUNK_MODES
+    assert TrainConfig("o", mode="trailers", objective="distill", link_tokens=3).links == Links(3, "chunk")
+    assert TrainConfig("o", mode="links", link_tokens=2).links == Links(2, "global")
+
+
+def test_the_count_and_scope_reach_the_segments_together():
+    rag = make_rag()
+    ids = [rag.layout.chunk_ids(c) for c in CHUNKS[:2]]
+    chunked = rag.layout.segments(ids, Q, Links(2, "chunk"))
+    assert (chunked.links, chunked.link_scope) == (2, "chunk")
+    assert rag.layout.segments(ids, Q, 2) == rag.layout.segments(ids, Q, Links(2, "global"))  # a bare count: global slots
+    assert rag.layout.segments(ids, Q).links == 0
+    for bad in (lambda: Links(1, "nearby"), lambda: Links(-1)):
+        with pytest.raises(ValueError):
+            bad()
 
 
 def test_a_chunks_trailers_hold_what_their_chunk_gives_them_whatever_came_before():

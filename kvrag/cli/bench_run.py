@@ -218,7 +218,7 @@ def cmd_bench_deviation(args: argparse.Namespace) -> int:
 def cmd_eval_suite(args: argparse.Namespace) -> int:
     """`kvrag eval suite`: every set at every length over the base weights (and the tuned adapter's
     kvlink), the rule applied; see kvrag.eval.suite."""
-    from kvrag.eval.suite import SETS, TUNED, collect, default_column, run_suite, suite_settings, write_suite
+    from kvrag.eval.suite import SETS, TUNED, collect, default_setting, run_suite, suite_settings, write_suite
     from kvrag.link_adapter import SHIPPED_ADAPTERS, SHIPPED_DIR
 
     sets = [s for s in args.sets.split(",") if s]
@@ -259,8 +259,9 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
             tuned = "none"
     sizes = {s: args.n for s in sets} if args.n else None
     known = rag.peek_default()  # the model's calibrated default, where it is known (never a calibration here)
-    column = default_column(known) if known is not None and known.source == "calibrated" else ""
-    results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes, skip=skip, default=column)
+    marked = default_setting(known) if known is not None and known.source == "calibrated" else None
+    column = marked.name if marked is not None else ""
+    results = run_suite(rag, variants, sets, lengths, out, Path(args.data_dir), sizes, skip=skip, default=marked)
     meta.update(model=rag.lm.source, tuned=tuned, default_name=known.name if column else "", default_column=column)
     verdict = write_suite(results, out, meta)
     drop_default_store(args, out)

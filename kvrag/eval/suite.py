@@ -72,12 +72,12 @@ RAW = (("min_recompute", 0), ("records_whole", False), ("short_context", 0))  # 
 SUITE_APE = "0.9,1"
 
 
-def suite_settings(with_tuned: bool, skip: Sequence[str] = (), default: str = "") -> list[Setting]:
+def suite_settings(with_tuned: bool, skip: Sequence[str] = (), default: Setting | None = None) -> list[Setting]:
     """Base Full and reuse, every training-free method at the default ratio (the read-whole policies on, as
     shipped), reuse and fusionrag with APE, then reuse and the default method with and without APE with the
     policies off (what each does alone: the policies read short contexts whole, so there they equal Full), and the
-    tuned adapter's kvlink both ways. `skip`: methods left out (never Full); `default`: the name of the model's
-    calibrated default as a suite setting (`default_column`), added when no other setting is it."""
+    tuned adapter's kvlink both ways. `skip`: methods left out (never Full); `default`: the model's calibrated
+    default as a suite setting (`default_setting`), added when no other setting is it."""
     ape = (("ape", SUITE_APE),)
     out = [Setting("full"), Setting("reuse")]
     out += [Setting(m, DEFAULT_RATIO) for m in TRAINING_FREE]
@@ -87,41 +87,24 @@ def suite_settings(with_tuned: bool, skip: Sequence[str] = (), default: str = ""
     if with_tuned:
         out += [Setting(TUNED_METHOD, 0.0, model=TUNED), Setting(TUNED_METHOD, 0.0, params=RAW, model=TUNED)]
     out = [s for s in out if s.method == "full" or s.method not in skip]
-    if default and default not in {s.name for s in out}:
-        parsed = _setting_named(default)
-        if parsed is not None:
-            out.append(parsed)
+    if default is not None and default.name not in {s.name for s in out}:
+        out.append(default)
     return out
 
 
-def default_column(default: Any) -> str:
+def default_setting(default: Any) -> Setting:
     """The suite setting a DefaultSetting is (the column the tables mark as the model's default): its method
     and ratio with the read-whole policies on, as requests that name no method get it, APE as a parameter."""
     if default.method == TUNED_METHOD:
-        return Setting(TUNED_METHOD, 0.0, model=TUNED).name
+        return Setting(TUNED_METHOD, 0.0, model=TUNED)
     ape = default.ape
     params = (("ape", f"{ape.temperature:g},{ape.scale:g}"),) if ape is not None and ape.active else ()
-    return Setting(default.method, default.ratio, params=params).name
-
-
-def _setting_named(name: str) -> Setting | None:
-    """The Setting `default_column` named (method, ratio and APE only), or None for a form it never writes."""
-    head, _, rest = name.partition("[")
-    method, _, ratio = head.partition("@")
-    params = ()
-    if rest:
-        key, _, value = rest.rstrip("]").partition("=")
-        if key != "ape":
-            return None
-        params = (("ape", value),)
-    try:
-        return Setting(method, float(ratio) if ratio else 0.0, params=params)
-    except ValueError:
-        return None
+    return Setting(default.method, default.ratio, params=params)
 
 
 def run_suite(rag: Any, variants: dict[str, Any], sets: Sequence[str], lengths: Sequence[int], out: Path, data: Path,
-              sizes: dict[str, int] | None = None, progress: bool = True, skip: Sequence[str] = (), default: str = "") -> dict[str, Any]:
+              sizes: dict[str, int] | None = None, progress: bool = True, skip: Sequence[str] = (),
+              default: Setting | None = None) -> dict[str, Any]:
     """Answer every set at every length (resumable: records per set and length under OUT), then summarise."""
     settings = suite_settings(TUNED in variants, skip, default)
     results: dict[str, Any] = {}
@@ -179,8 +162,9 @@ def decide(results: dict[str, Any]) -> dict[str, Any]:
             reasons.append(f"{key}: tuned agrees {t['agree']:.3f} < best training-free {best_free:.3f}")
     mean = {k: (sum(v) / len(v) if v else 0.0) for k, v in agreement.items()}
     speed = {name: _long_speed(results, name) for name in keeps_up}
-    fast = [f for f in free if speed[f] is None or speed[f] >= SPEED_FLOOR] or free  # none fast enough: quality decides
-    best = max(fast, key=lambda f: (keeps_up[f], mean[f]))
+    answered = [f for f in free if agreement[f]]  # a skipped (or not yet answered) method has no rows: never the pick
+    fast = [f for f in answered if speed[f] is None or speed[f] >= SPEED_FLOOR] or answered  # none fast enough: quality decides
+    best = max(fast, key=lambda f: (keeps_up[f], mean[f])) if fast else "full"  # no training-free method answered
     if speed[tuned_name] is not None and speed[tuned_name] < SPEED_FLOOR:
         tuned_ok = False
         reasons.append(f"tuned TTFT ratio {speed[tuned_name]:.1f}x < {SPEED_FLOOR}x on the 10-passage sets")

@@ -33,6 +33,30 @@ _Q = "\x00KVRAG_QUESTION\x00"
 _OPEN, _CLOSE = "\x00KVRAG_OPEN\x00", "\x00KVRAG_CLOSE\x00"
 
 
+LINK_SCOPES = ("global", "chunk")
+
+
+@dataclass(frozen=True)
+class Links:
+    """Link slots after every chunk: how many, and what they attend to. "global" (KVLink's links): every earlier
+    position; "chunk" (trailers, KV Packet's vectors without its header): the prefix and their own chunk, so what
+    they hold depends on that chunk alone. One object so the count and its picture travel together."""
+
+    count: int = 0
+    scope: str = "global"
+
+    def __post_init__(self) -> None:
+        if self.scope not in LINK_SCOPES:
+            raise ValueError(f"link_scope must be 'global' or 'chunk', got {self.scope!r}")
+        if self.count < 0:
+            raise ValueError(f"link slots per chunk must be >= 0, got {self.count}")
+
+    @classmethod
+    def of(cls, links: "Links | int") -> "Links":
+        """`links` as Links: a bare count is that many global link slots."""
+        return links if isinstance(links, Links) else cls(int(links))
+
+
 @dataclass(frozen=True)
 class Segments:
     """Token ids of one prompt, segment by segment, with each segment's start position.
@@ -51,7 +75,7 @@ class Segments:
     link_scope: str = "global"
 
     def __post_init__(self) -> None:
-        if self.link_scope not in ("global", "chunk"):
+        if self.link_scope not in LINK_SCOPES:
             raise ValueError(f"link_scope must be 'global' or 'chunk', got {self.link_scope!r}")
 
     @property
@@ -223,15 +247,15 @@ class PromptLayout:
         """Everything after the chunks of a one-question prompt: the question, in its template, and the template's text around it."""
         return self._tail_ids([p.replace(_Q, question) for p in self._single])
 
-    def segments(self, chunk_ids: Sequence[list[int]], question: str, links: int = 0, link_scope: str = "global") -> Segments:
-        """The prompt's segments; `links` KVLink link slots after every chunk (never part of a cache key), attending
-        as `link_scope` says."""
+    def segments(self, chunk_ids: Sequence[list[int]], question: str, links: Links | int = 0) -> Segments:
+        """The prompt's segments; `links`: the link slots after every chunk (never part of a cache key)."""
+        links = Links.of(links)
         return Segments(prefix=list(self.prefix_ids), chunks=[list(c) for c in chunk_ids], question=self.question_ids(question),
-                        links=int(links), link_scope=link_scope)
+                        links=links.count, link_scope=links.scope)
 
     # -- conversations ---------------------------------------------------------------------
     def conversation_segments(
-        self, chunk_ids: Sequence[list[int]], conv: Conversation, links: int = 0, documents: bool = True, link_scope: str = "global"
+        self, chunk_ids: Sequence[list[int]], conv: Conversation, links: Links | int = 0, documents: bool = True
     ) -> Segments:
         """The segments of a conversation: the chat template over the layout's messages (`conversation_messages`):
         everything before the chunks is the prefix (read exactly, computed once per distinct prefix),
@@ -242,14 +266,15 @@ class PromptLayout:
         no engine instruction and no question template, as the model reads them anywhere else.
         """
         if documents and conv.is_single:
-            return self.segments(chunk_ids, conv.question, links, link_scope)
+            return self.segments(chunk_ids, conv.question, links)
         prefix_text, pieces = self._render(conv, documents)
         following = self._chunk_head if chunk_ids else (pieces[0] if pieces else "")
         prefix_ids = self._prefix_ids(prefix_text, following)
         tail = self._tail_ids(pieces)
         if not prefix_ids:  # a template that renders nothing before the first message: its first token leads
             prefix_ids, tail = tail[:1], tail[1:]
-        return Segments(prefix=prefix_ids, chunks=[list(c) for c in chunk_ids], question=tail, links=int(links), link_scope=link_scope)
+        links = Links.of(links)
+        return Segments(prefix=prefix_ids, chunks=[list(c) for c in chunk_ids], question=tail, links=links.count, link_scope=links.scope)
 
     def conversation_messages(self, chunks: Sequence[Chunk], conv: Conversation, documents: bool = True) -> list[dict[str, str]]:
         """The conversation as chat-template messages with the chunk texts inline: what Full

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from kvrag.fuse.stitch import Stitched
+from kvrag.kv.layout import Links
 from kvrag.model.loading import LoadedModel
 from kvrag.model.rope import Rotary
 
@@ -76,6 +77,11 @@ class LinkSlots:
     per_chunk: int = 0
     embeds: torch.Tensor | None = None  # [n_chunks * K, hidden]
     scope: str = "global"  # what the slots attend to (Segments.link_scope): "chunk" for trailers
+
+    @property
+    def layout(self) -> Links:
+        """The slots as the layout lays them out: count and scope."""
+        return Links(self.per_chunk, self.scope)
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrag.defaults import DEFAULT_MAX_CHUNKS, LINK_MODES as MODES, WEIGHTS_KEPT_MODES
+from kvrag.defaults import DEFAULT_MAX_CHUNKS, LINK_MODES as MODES, WEIGHTS_KEPT_MODES, link_scope
+from kvrag.kv.layout import Links
 
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 from kvrag.defaults import OBJECTIVES  # noqa: E402,F401
@@ -84,6 +85,11 @@ class TrainConfig:
             if self.objective != "distill":
                 raise ValueError("teacher_only needs objective 'distill' (only it has a teacher)")
             self.teacher_cache = True  # the targets' only destination
+
+    @property
+    def links(self) -> Links:
+        """The link slots the mode's examples are laid out with: `link_tokens` per chunk, scoped as the mode is."""
+        return Links(self.link_tokens, link_scope(self.mode))
 
     def resume_key(self) -> dict[str, Any]:
         """What must not change between a run and its resumption."""

@@ -14,7 +14,7 @@ import torch
 
 from kvrag.chat import Conversation
 from kvrag.eval.data import parse_range
-from kvrag.kv.layout import PromptLayout, Segments
+from kvrag.kv.layout import Links, PromptLayout, Segments
 from kvrag.fuse.links import link_picture
 from kvrag.types import Chunk
 
@@ -123,34 +123,33 @@ def qa_chunks(row: dict, rng: random.Random, max_chunks: int, min_chunks: int | 
 
 
 def build_example(
-    layout: PromptLayout, row: dict, rng: random.Random, link_tokens: int, max_chunks: int, max_tokens: int,
-    min_chunks: int | None = None, link_scope: str = "global",
+    layout: PromptLayout, row: dict, rng: random.Random, links: Links | int, max_chunks: int, max_tokens: int,
+    min_chunks: int | None = None,
 ) -> Example:
     """One training prompt from a row. With `min_chunks`, the example keeps a random number of passages
     from min_chunks to max_chunks (the gold one among them), so the model also sees prompts with few
     chunks, as a RAG app with a small top-k sends; None keeps up to max_chunks (and draws nothing)."""
     chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
     ans = answer_ids(layout, str((row.get("answers") or [""])[0]))
-    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), ans, link_tokens, max_tokens, len(ans),
-                       link_scope=link_scope)
+    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), ans, links, max_tokens, len(ans))
 
 
 def fit_example(
-    layout: PromptLayout, chunks: list[Chunk], gold: int | None, question: list[int], answer: list[int], link_tokens: int,
-    max_tokens: int, reserve: int, kind: str = "qa", link_scope: str = "global",
+    layout: PromptLayout, chunks: list[Chunk], gold: int | None, question: list[int], answer: list[int], links: Links | int,
+    max_tokens: int, reserve: int, kind: str = "qa",
 ) -> Example:
     """The example of these chunks, with trailing non-gold chunks dropped until the prompt plus
     `reserve` answer tokens fits `max_tokens` (one chunk is always kept)."""
-    return _fit(lambda cs: Segments(list(layout.prefix_ids), [layout.chunk_ids(c) for c in cs], question, links=link_tokens,
-                                    link_scope=link_scope), chunks, gold, answer, max_tokens, reserve, kind)
+    links = Links.of(links)
+    return _fit(lambda cs: Segments(list(layout.prefix_ids), [layout.chunk_ids(c) for c in cs], question, links=links.count,
+                                    link_scope=links.scope), chunks, gold, answer, max_tokens, reserve, kind)
 
 
 def fit_conversation(
-    layout: PromptLayout, chunks: list[Chunk], gold: int | None, conv: Conversation, link_tokens: int, max_tokens: int, reserve: int,
-    link_scope: str = "global",
+    layout: PromptLayout, chunks: list[Chunk], gold: int | None, conv: Conversation, links: Links | int, max_tokens: int, reserve: int,
 ) -> Example:
     """`fit_example` for a conversation: its segments as the engine lays out a chat over these chunks."""
-    return _fit(lambda cs: layout.conversation_segments([layout.chunk_ids(c) for c in cs], conv, links=link_tokens, link_scope=link_scope),
+    return _fit(lambda cs: layout.conversation_segments([layout.chunk_ids(c) for c in cs], conv, links=links),
                 chunks, gold, [], max_tokens, reserve, "turn2")
 
 
@@ -240,8 +239,8 @@ def continue_chunks(row: dict, rng: random.Random, max_chunks: int) -> list[Chun
 
 
 def build_distill_example(
-    layout: PromptLayout, row: dict, rng: random.Random, kind: str, link_tokens: int, max_chunks: int, max_tokens: int,
-    reserve: int, min_chunks: int | None = None, link_scope: str = "global",
+    layout: PromptLayout, row: dict, rng: random.Random, kind: str, links: Links | int, max_chunks: int, max_tokens: int,
+    reserve: int, min_chunks: int | None = None,
 ) -> Example:
     """An example of objective distill, its answer still empty (the teacher's continuation goes
     there): "qa" lays out the row's passages and question as `build_example` does (the same
@@ -253,16 +252,14 @@ def build_distill_example(
         chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
         first = str(next(a for a in row.get("answers") or [] if str(a).strip())).strip()
         conv = Conversation(turns=(("user", str(row["question"])), ("assistant", first), ("user", rng.choice(FOLLOW_UPS))))
-        return fit_conversation(layout, chunks, gold, conv, link_tokens, max_tokens, reserve, link_scope)
+        return fit_conversation(layout, chunks, gold, conv, links, max_tokens, reserve)
     if kind == "continue":
         chunks = continue_chunks(row, rng, max_chunks)
-        return fit_example(layout, chunks, None, layout.question_ids(CONTINUE_INSTRUCTION), [], link_tokens, max_tokens, reserve, kind,
-                           link_scope)
+        return fit_example(layout, chunks, None, layout.question_ids(CONTINUE_INSTRUCTION), [], links, max_tokens, reserve, kind)
     if kind != "qa":
         raise ValueError(f"example kind must be 'qa', 'continue' or 'turn2', got {kind!r}")
     chunks, gold = qa_chunks(row, rng, max_chunks, min_chunks)
-    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), [], link_tokens, max_tokens, reserve,
-                       link_scope=link_scope)
+    return fit_example(layout, chunks, gold, layout.question_ids(str(row["question"])), [], links, max_tokens, reserve)
 
 
 def training_mask(segments: Segments, length: int) -> torch.Tensor:

@@ -33,7 +33,6 @@ from typing import Any, Iterable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvrag.defaults import link_scope
 from kvrag.model.cache import cache_arg, empty_cache
 from kvrag.kv.layout import PromptLayout, Segments
 from kvrag.training.config import TrainConfig
@@ -50,8 +49,7 @@ def distill_example(layout: PromptLayout, row: dict, cfg: TrainConfig, epoch: in
     kind = example_kind(cfg.seed, epoch, row_index, cfg.continue_share, row, cfg.turn_share)
     rng = random.Random(f"{cfg.seed}:{epoch}:{row_index}")
     return build_distill_example(
-        layout, row, rng, kind, cfg.link_tokens, cfg.max_chunks, cfg.max_tokens, cfg.teacher_tokens, cfg.min_chunks,
-        link_scope(cfg.mode),
+        layout, row, rng, kind, cfg.links, cfg.max_chunks, cfg.max_tokens, cfg.teacher_tokens, cfg.min_chunks,
     )
 
 

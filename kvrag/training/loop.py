@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from kvrag.decode.stream import eos_ids
-from kvrag.defaults import BASE_CHUNK_MODES, WEIGHTS_KEPT_MODES, link_scope
+from kvrag.defaults import BASE_CHUNK_MODES, WEIGHTS_KEPT_MODES
 from kvrag.engine import KVRag
 from kvrag.kv.layout import PromptLayout
 from kvrag.fuse.links import default_link_embeds
@@ -276,8 +276,8 @@ def train(cfg: TrainConfig, lm: LoadedModel | None = None, rows: list[dict] | No
             else:
                 examples = [
                     build_example(
-                        layout, rows[i], random.Random(f"{cfg.seed}:{e}:{i}"), cfg.link_tokens, cfg.max_chunks, cfg.max_tokens,
-                        cfg.min_chunks, link_scope(cfg.mode),
+                        layout, rows[i], random.Random(f"{cfg.seed}:{e}:{i}"), cfg.links, cfg.max_chunks, cfg.max_tokens,
+                        cfg.min_chunks,
                     )
                     for e, i in picks
                 ]
