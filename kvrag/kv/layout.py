@@ -33,9 +33,6 @@ _Q = "\x00KVRAG_QUESTION\x00"
 _OPEN, _CLOSE = "\x00KVRAG_OPEN\x00", "\x00KVRAG_CLOSE\x00"
 
 
-LINK_SCOPES = ("global", "chunk")
-
-
 @dataclass(frozen=True)
 class Links:
     """Link slots after every chunk: how many, and what they attend to. "global" (KVLink's links): every earlier
@@ -46,7 +43,7 @@ class Links:
     scope: str = "global"
 
     def __post_init__(self) -> None:
-        if self.scope not in LINK_SCOPES:
+        if self.scope not in ("global", "chunk"):
             raise ValueError(f"link_scope must be 'global' or 'chunk', got {self.scope!r}")
         if self.count < 0:
             raise ValueError(f"link slots per chunk must be >= 0, got {self.count}")
@@ -75,8 +72,7 @@ class Segments:
     link_scope: str = "global"
 
     def __post_init__(self) -> None:
-        if self.link_scope not in LINK_SCOPES:
-            raise ValueError(f"link_scope must be 'global' or 'chunk', got {self.link_scope!r}")
+        Links(self.links, self.link_scope)  # the one check of a count and its scope
 
     @property
     def chunk_starts(self) -> list[int]:
